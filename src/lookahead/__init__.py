@@ -1,0 +1,8 @@
+"""Lookahead decoding: exact, parallel decoding for Hugging Face causal LMs without a draft model."""
+
+from .config import LookaheadConfig
+from .generation import GenerateOutput, GenerationStats, generate
+from .hf import UnsupportedModelError
+from .models import load_model
+
+__all__ = ["GenerateOutput", "GenerationStats", "LookaheadConfig", "UnsupportedModelError", "generate", "load_model"]

@@ -1,0 +1,47 @@
+"""Lookahead decoding parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    """Shape of one lookahead step.
+
+    window:  W, columns of the 2-D Jacobi window (0 turns the lookahead branch off).
+    ngram:   N, size of the cached n-grams; the window keeps N-1 levels and a guess is N-1 tokens.
+    guesses: G, the most n-grams verified per step, and kept per first token in the pool
+             (0 turns verification off: one token per step, i.e. plain decoding).
+    seed_from_prompt: put the prompt's own n-grams into the pool before the first step.
+    seed: seed for the random prompt tokens that start the window.
+    """
+
+    window: int = 5
+    ngram: int = 4
+    guesses: int = 5
+    seed_from_prompt: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("window", self.window, 0, "an integer >= 0 (0 disables the lookahead branch)")
+        _check_int("ngram", self.ngram, 2, "an integer >= 2")
+        _check_int("guesses", self.guesses, 0, "an integer >= 0 (0 disables verification)")
+        if not isinstance(self.seed_from_prompt, bool):
+            raise ValueError(f"seed_from_prompt must be a bool, got {self.seed_from_prompt!r}")
+        _check_int("seed", self.seed, 0, "an integer >= 0")
+
+    @property
+    def levels(self) -> int:
+        """Levels of the lookahead window (Jacobi iterations kept)."""
+        return self.ngram - 1
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens fed to the model per step at most: last token, full window, all guesses."""
+        return 1 + self.window * self.levels + self.guesses * (self.ngram - 1)
+
+
+def _check_int(name: str, value: object, minimum: int, allowed: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"LookaheadConfig.{name} must be {allowed}, got {value!r}")

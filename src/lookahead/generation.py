@@ -1,0 +1,134 @@
+"""`generate`: lookahead decoding of one sequence with a Hugging Face causal LM."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from .config import LookaheadConfig
+from .core.decoder import LookaheadDecoder
+from .hf import HFModelRunner
+
+DEFAULT_CONFIG = LookaheadConfig()
+
+
+@dataclass
+class GenerationStats:
+    steps: int = 0  # forward passes after the prompt's prefill
+    new_tokens: int = 0
+    seconds: float = 0.0
+    accepted_per_step: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "steps": self.steps,
+            "new_tokens": self.new_tokens,
+            "tokens_per_step": self.tokens_per_step,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.LongTensor  # [1, prompt + new]
+    stats: GenerationStats
+
+
+def generate(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor | list[int],
+    max_new_tokens: int = 128,
+    config: LookaheadConfig | None = None,
+    eos_token_id: int | Iterable[int] | None = None,
+    streamer=None,
+) -> GenerateOutput:
+    """Greedy decoding with lookahead; the output equals `model.generate(do_sample=False)` token for token.
+
+    input_ids: [1, n] or [n] token ids (batch size 1). eos_token_id: one id or several; None takes the
+    model's generation config. streamer: any transformers streamer; it gets the prompt, then every
+    committed token.
+    """
+    config = DEFAULT_CONFIG if config is None else config
+    if not isinstance(config, LookaheadConfig):
+        raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")
+    prompt = _prompt_tensor(input_ids)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    stop_ids = _eos_ids(model, eos_token_id)
+    runner = HFModelRunner(model)
+
+    start = time.perf_counter()
+    stats = GenerationStats()
+    if streamer is not None:
+        streamer.put(prompt.view(1, -1))
+    decoder = LookaheadDecoder(config, prompt.tolist())
+    cache = runner.new_cache()
+    if prompt.numel() > 1:
+        runner.prefill(cache, prompt[:-1])
+    generated: list[int] = []
+    last = int(prompt[-1])
+    while len(generated) < max_new_tokens:
+        plan = decoder.plan(last)
+        past = cache.get_seq_length()
+        logits = runner.logits(cache, plan.tokens, past + plan.layout.offsets, plan.layout.allowed, plan.layout.logit_rows)
+        result = decoder.update(plan, logits.argmax(dim=-1).cpu())
+        tokens = result.tokens[: max_new_tokens - len(generated)]
+        finished = False
+        for index, token in enumerate(tokens):
+            if token in stop_ids:
+                tokens, finished = tokens[: index + 1], True
+                break
+        generated.extend(tokens)
+        stats.steps += 1
+        stats.accepted_per_step.append(len(tokens))
+        if streamer is not None:
+            streamer.put(torch.tensor(tokens))
+        if finished or len(generated) >= max_new_tokens:
+            break
+        runner.commit(cache, past, result.kept_rows)
+        last = tokens[-1]
+    if streamer is not None:
+        streamer.end()
+    stats.new_tokens = len(generated)
+    stats.seconds = time.perf_counter() - start
+    sequences = torch.cat([prompt, torch.tensor(generated, dtype=torch.long)]).view(1, -1)
+    return GenerateOutput(sequences, stats)
+
+
+def _prompt_tensor(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids)
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"input_ids must have batch size 1 (shape [1, n]), got shape {list(ids.shape)}")
+        ids = ids[0]
+    elif ids.dim() != 1:
+        raise ValueError(f"input_ids must have shape [1, n] or [n], got shape {list(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError("input_ids is empty: the prompt needs at least one token")
+    return ids.to(torch.long).cpu()
+
+
+def _eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None) -> set[int]:
+    if eos_token_id is None:
+        eos_token_id = getattr(model.generation_config, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    ids = set(torch.as_tensor(list(eos_token_id)).tolist())
+    return ids

@@ -1,0 +1,140 @@
+"""Adapter for Hugging Face causal LMs: runs one lookahead step through the model's public forward
+(4-D attention mask, explicit position ids, a `DynamicCache`) and commits the cache afterwards."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+SUPPORTED_ATTENTION = ("eager", "sdpa")
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot run lookahead steps (no custom masks, or a cache we cannot commit)."""
+
+
+class HFModelRunner:
+    """Wraps a causal LM; all lookahead glue that knows about transformers lives here."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        if not isinstance(model, PreTrainedModel) or not hasattr(model, "get_output_embeddings"):
+            raise UnsupportedModelError(f"model must be a transformers causal LM, got {type(model).__name__}")
+        config = model.config.get_text_config(decoder=True)
+        attention = getattr(model.config, "_attn_implementation", None) or "eager"
+        if attention not in SUPPORTED_ATTENTION:
+            raise UnsupportedModelError(
+                f"attention implementation {attention!r} cannot take a custom 4-D mask; load the model with "
+                f"attn_implementation set to one of {SUPPORTED_ATTENTION}"
+            )
+        self.layer_types: list[str] | None = getattr(config, "layer_types", None)
+        unsupported = set(self.layer_types or ()) - SUPPORTED_LAYER_TYPES
+        if unsupported:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has layers of type {sorted(unsupported)}; lookahead needs attention layers "
+                f"whose cache can be rolled back ({sorted(SUPPORTED_LAYER_TYPES)})"
+            )
+        if getattr(config, "is_encoder_decoder", False):
+            raise UnsupportedModelError("encoder-decoder models are not supported; use a decoder-only causal LM")
+        parameters = inspect.signature(model.forward).parameters
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        if self.cache_argument not in parameters or "position_ids" not in parameters:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.forward must accept attention_mask, position_ids and a cache"
+            )
+        self.keeps_some_logits = "logits_to_keep" in parameters
+        # Sliding-window layers get a mask limited to the window; the cache itself keeps everything.
+        window = getattr(config, "sliding_window", None)
+        uses_sliding = self.layer_types is None or "sliding_attention" in self.layer_types
+        self.sliding_window: int | None = window if (window and uses_sliding) else None
+        self.model = model
+        self.device = model.device
+        self.dtype = model.dtype
+
+    def new_cache(self) -> DynamicCache:
+        # No config: every layer is a full `DynamicLayer`, which can drop arbitrary entries.
+        return DynamicCache()
+
+    @torch.inference_mode()
+    def prefill(self, cache: DynamicCache, tokens: torch.Tensor) -> None:
+        """Run the committed tokens (1-D) through the model to fill the cache."""
+        positions = torch.arange(tokens.numel(), device=self.device)
+        kwargs = {"logits_to_keep": 1} if self.keeps_some_logits else {}
+        self.model(
+            input_ids=tokens.view(1, -1).to(self.device),
+            position_ids=positions.view(1, -1),
+            use_cache=True,
+            **{self.cache_argument: cache},
+            **kwargs,
+        )
+        self._check_cache(cache)
+
+    @torch.inference_mode()
+    def logits(
+        self,
+        cache: DynamicCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        allowed: torch.Tensor,
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Feed one step (tokens at absolute positions, `allowed` [q, q] attention within the step)
+        on top of the cached prefix; return the logits at `logit_rows` as [len(logit_rows), vocab]."""
+        past = cache.get_seq_length()
+        mask = self._attention_mask(past, positions, allowed)
+        kwargs = {"logits_to_keep": logit_rows.to(self.device)} if self.keeps_some_logits else {}
+        out = self.model(
+            input_ids=tokens.view(1, -1).to(self.device),
+            position_ids=positions.view(1, -1).to(self.device),
+            attention_mask=mask,
+            use_cache=True,
+            **{self.cache_argument: cache},
+            **kwargs,
+        )
+        logits = out.logits[0]
+        return logits if self.keeps_some_logits else logits[logit_rows.to(self.device)]
+
+    def _attention_mask(
+        self, past: int, positions: torch.Tensor, allowed: torch.Tensor
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        size = positions.numel()
+        visible = torch.cat([torch.ones(size, past, dtype=torch.bool), allowed], dim=1)
+        full = self._additive(visible)
+        if self.sliding_window is None:
+            return full
+        key_positions = torch.cat([torch.arange(past), positions])
+        in_window = positions[:, None] - key_positions[None, :] < self.sliding_window
+        sliding = self._additive(visible & in_window)
+        if self.layer_types is None:
+            return sliding
+        return {"full_attention": full, "sliding_attention": sliding}
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(visible.shape, dtype=self.dtype)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        return mask.view(1, 1, *visible.shape).to(self.device)
+
+    @torch.inference_mode()
+    def commit(self, cache: DynamicCache, past: int, kept_rows: torch.Tensor) -> None:
+        """Keep the cached prefix plus the step rows `kept_rows` (in order); drop the rest of the step."""
+        kept = past + kept_rows.to(self.device)
+        length = past + kept_rows.numel()
+        contiguous = bool((kept_rows == torch.arange(kept_rows.numel())).all())
+        for layer in cache.layers:
+            if not contiguous:
+                layer.keys[..., past:length, :] = layer.keys.index_select(-2, kept)
+                layer.values[..., past:length, :] = layer.values.index_select(-2, kept)
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+    @staticmethod
+    def _check_cache(cache: DynamicCache) -> None:
+        for layer in cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise UnsupportedModelError(
+                    f"the model filled a cache layer of type {type(layer).__name__}; lookahead needs plain "
+                    "DynamicLayer entries that it can roll back"
+                )
