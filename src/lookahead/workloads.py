@@ -1,0 +1,74 @@
+"""Prompt sets for tests and benchmarks: the vendored MT-bench, HumanEval, GSM8K, Spec-Bench, or a
+user's JSONL file."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+BUILTIN = ("mt_bench", "humaneval", "gsm8k", "spec_bench")
+MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    turns: tuple[str, ...]  # user turns; with a chat template each is a user message, else the text itself
+    raw: bool = False  # True: feed the text as is, without the chat template
+
+
+def _lines(name: str) -> list[dict]:
+    files = resources.files("lookahead") / "data"
+    if name == "humaneval":
+        with gzip.open(files.joinpath("humaneval/HumanEval.jsonl.gz").open("rb"), "rt") as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+    path = {"mt_bench": "mt_bench/question.jsonl", "gsm8k": "gsm8k/test.jsonl", "spec_bench": "spec_bench/question.jsonl"}[name]
+    return [json.loads(line) for line in files.joinpath(path).read_text().splitlines() if line.strip()]
+
+
+def humaneval_chat_turn(code: str) -> str:
+    return f"Complete the following Python function.\n\n```python\n{code}```"
+
+
+def load_workload(name: str, turns: int = 1, raw: bool = False) -> list[Prompt]:
+    """Prompts of a built-in workload (see BUILTIN) or of a JSONL file with a `prompt` or `turns` field.
+
+    turns: how many user turns of multi-turn data to keep (1 or 2). raw: HumanEval as raw completion.
+    """
+    if turns not in (1, 2):
+        raise ValueError(f"turns must be 1 or 2, got {turns!r}")
+    if name == "humaneval":
+        return [
+            Prompt(row["task_id"], "humaneval", (row["prompt"] if raw else humaneval_chat_turn(row["prompt"]),), raw)
+            for row in _lines(name)
+        ]
+    if name == "gsm8k":
+        return [Prompt(f"gsm8k/{index}", "gsm8k", (row["question"],)) for index, row in enumerate(_lines(name))]
+    if name in ("mt_bench", "spec_bench"):
+        prompts = []
+        for row in _lines(name):
+            category = row["category"]
+            if name == "spec_bench" and category in MT_BENCH_CATEGORIES:
+                category = "multi_turn_chat"
+            prompts.append(Prompt(str(row["question_id"]), category, tuple(row["turns"][:turns])))
+        return prompts
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"dataset must be one of {BUILTIN} or a JSONL file, got {name!r}")
+    prompts = []
+    for index, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "turns" in row:
+            texts = tuple(row["turns"][:turns])
+        elif "prompt" in row:
+            texts = (row["prompt"],)
+        else:
+            raise ValueError(f"{path}:{index + 1}: each line needs a 'prompt' or 'turns' field")
+        prompts.append(Prompt(str(row.get("id", index)), str(row.get("category", path.stem)), texts, raw))
+    return prompts
