@@ -67,8 +67,8 @@ def generate(
     prompt = _prompt_tensor(input_ids)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    stop_ids = _eos_ids(model, eos_token_id)
     runner = HFModelRunner(model)
+    stop_ids = _eos_ids(model, eos_token_id)
 
     start = time.perf_counter()
     stats = GenerationStats()
@@ -110,6 +110,8 @@ def generate(
 
 def _prompt_tensor(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
     ids = torch.as_tensor(input_ids)
+    if ids.numel() == 0:
+        raise ValueError("input_ids is empty: the prompt needs at least one token")
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         raise ValueError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
     if ids.dim() == 2:
@@ -118,8 +120,6 @@ def _prompt_tensor(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
         ids = ids[0]
     elif ids.dim() != 1:
         raise ValueError(f"input_ids must have shape [1, n] or [n], got shape {list(ids.shape)}")
-    if ids.numel() == 0:
-        raise ValueError("input_ids is empty: the prompt needs at least one token")
     return ids.to(torch.long).cpu()
 
 

@@ -1,0 +1,110 @@
+"""The framework-free pieces: step layout and mask, n-gram pool, window, verification."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lookahead.core.layout import step_layout
+from lookahead.core.pool import NGramPool
+from lookahead.core.verify import verify_greedy
+from lookahead.core.window import LookaheadWindow
+
+
+def slow_layout(levels: int, width: int, guesses: int, guess_len: int):
+    """Rows described one by one, written plainly: (kind, a, b) per row, then every pair checked."""
+    rows = [("last", 0, 0)]
+    rows += [("window", level, column) for level in range(levels) for column in range(width)]
+    rows += [("guess", g, t) for g in range(guesses) for t in range(guess_len)]
+    offsets = []
+    for kind, a, b in rows:
+        offsets.append(0 if kind == "last" else a + b + 1 if kind == "window" else b + 1)
+    allowed = [[False] * len(rows) for _ in rows]
+    for r, (kind, a, b) in enumerate(rows):
+        for c, (ckind, ca, cb) in enumerate(rows):
+            if c == 0 or c == r:
+                allowed[r][c] = True
+            elif kind == "window" and ckind == "window":
+                allowed[r][c] = (ca == 0 and cb <= b) or (cb == b and 1 <= ca <= a)
+            elif kind == "guess" and ckind == "guess":
+                allowed[r][c] = ca == a and cb <= b
+    return offsets, allowed
+
+
+@given(
+    levels=st.integers(0, 4), width=st.integers(0, 5), guesses=st.integers(0, 4), guess_len=st.integers(1, 4)
+)
+@settings(max_examples=60, deadline=None)
+def test_layout_matches_plain_reference(levels, width, guesses, guess_len):
+    if levels == 0 or width == 0:
+        levels = width = 0
+    layout = step_layout(levels, width, guesses, guess_len)
+    offsets, allowed = slow_layout(levels, width, guesses, guess_len)
+    assert layout.offsets.tolist() == offsets
+    assert layout.allowed.tolist() == allowed
+    assert layout.size == 1 + levels * width + guesses * guess_len
+    newest = list(range(1 + (levels - 1) * width, 1 + levels * width)) if levels else []
+    assert layout.window_rows.tolist() == newest
+    assert layout.logit_rows.tolist() == [0] + newest + list(range(1 + levels * width, layout.size))
+
+
+def test_every_row_context_is_a_contiguous_chain():
+    """What each row sees, sorted by position, must be positions 0..own position with no gap or repeat:
+    that is what makes its prediction the same as a plain left-to-right pass would give."""
+    layout = step_layout(3, 4, 3, 3)
+    for row in range(layout.size):
+        seen = sorted(layout.offsets[layout.allowed[row]].tolist())
+        assert seen == list(range(int(layout.offsets[row]) + 1))
+
+
+def test_layout_is_cached():
+    assert step_layout(2, 3, 1, 2) is step_layout(2, 3, 1, 2)
+
+
+def test_pool_keeps_most_recent_distinct_continuations():
+    pool = NGramPool(ngram=3, capacity=2)
+    pool.add([1, 2, 3])
+    pool.add([1, 4, 5])
+    pool.add([1, 2, 3])  # seen again: moves to the front, not duplicated
+    assert pool.continuations(1) == [(2, 3), (4, 5)]
+    pool.add([1, 6, 7])
+    assert pool.continuations(1) == [(6, 7), (2, 3)]
+    assert pool.continuations(9) == []
+    assert len(pool) == 2
+
+
+def test_pool_from_sequence_and_zero_capacity():
+    pool = NGramPool(ngram=2, capacity=3)
+    pool.add_all([5, 6, 5, 7])
+    assert pool.continuations(5) == [(7,), (6,)]
+    empty = NGramPool(ngram=2, capacity=0)
+    empty.add_all([5, 6, 5, 7])
+    assert len(empty) == 0
+
+
+def test_window_fills_then_emits_ngrams_and_shifts():
+    window = LookaheadWindow([10, 11, 12], max_levels=3)
+    assert window.advance([20, 21, 22]) == []
+    assert window.advance([30, 31, 32]) == []
+    assert window.tokens == [10, 11, 12, 20, 21, 22, 30, 31, 32]
+    assert window.advance([40, 41, 42]) == [(10, 20, 30, 40), (11, 21, 31, 41), (12, 22, 32, 42)]
+    assert window.levels == [[20, 21, 22], [30, 31, 32], [40, 41, 42]]
+
+
+def test_verify_takes_longest_matching_prefix_plus_next_prediction():
+    guesses = torch.tensor([[5, 9, 9], [5, 6, 7], [4, 6, 7]])
+    # after last token the model says 5; after guess tokens it predicts:
+    predictions = torch.tensor([[6, 1, 1], [6, 8, 3], [6, 7, 2]])
+    verdict = verify_greedy(5, guesses, predictions)
+    assert (verdict.guess, verdict.matched, verdict.tokens) == (1, 2, [5, 6, 8])
+
+
+def test_verify_without_match_or_guesses_commits_one_token():
+    assert verify_greedy(3, torch.tensor([[4, 5]]), torch.tensor([[5, 6]])).tokens == [3]
+    assert verify_greedy(3, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long)).tokens == [3]
+
+
+def test_verify_full_match_commits_guess_and_bonus_token():
+    verdict = verify_greedy(1, torch.tensor([[1, 2, 3]]), torch.tensor([[2, 3, 4]]))
+    assert verdict.tokens == [1, 2, 3, 4] and verdict.matched == 3

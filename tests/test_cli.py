@@ -1,0 +1,60 @@
+"""The `lookahead` command, run as a user runs it: a subprocess on the default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LOOKAHEAD = str(Path(sys.executable).with_name("lookahead"))
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([LOOKAHEAD, *args], capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "Give me three tips for staying focused while studying.",
+        "Write a Python function that returns the n-th Fibonacci number.",
+    ],
+)
+def test_generate_compare_json(prompt):
+    result = run("generate", prompt, "--compare", "--json", "--max-new-tokens", "96")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["identical"] is True
+    assert report["tokens_per_step"] > 1.0
+    assert report["new_tokens"] == round(report["tokens_per_step"] * report["steps"])
+    assert report["text"].strip()
+    assert report["speedup"] == pytest.approx(report["baseline_seconds"] / report["seconds"])
+
+
+@pytest.mark.slow
+def test_generate_streams_text_then_summary():
+    result = run("generate", "def add(a, b):", "--raw", "--max-new-tokens", "24", "--window", "3", "--ngram", "3")
+    assert result.returncode == 0, result.stderr
+    text, summary = result.stdout.rstrip().rsplit("\n", 1)
+    assert text.strip()
+    assert summary.startswith("[24 new tokens,") and "tokens/step" in summary and "tokens/s" in summary
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--window", "-1"], "window must be an integer >= 0"),
+        (["--ngram", "1"], "ngram must be an integer >= 2"),
+        (["--dtype", "int8"], "must be one of"),
+        (["--max-new-tokens", "0"], "max-new-tokens"),
+    ],
+)
+def test_bad_options_exit_with_a_clear_message(args, message):
+    result = run("generate", "hello", *args)
+    assert result.returncode == 2
+    assert message in result.stderr

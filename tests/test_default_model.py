@@ -1,0 +1,38 @@
+"""Exactness on the real default model (SmolLM2-135M-Instruct, fp32) over chat, code and math prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import reference_greedy
+
+from lookahead import LookaheadConfig, generate
+from lookahead.prompts import encode_prompt
+from lookahead.workloads import load_workload
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = [LookaheadConfig(), LookaheadConfig(window=3, ngram=3, guesses=3), LookaheadConfig(window=4, ngram=5, guesses=2)]
+PROMPTS = load_workload("mt_bench")[::10] + load_workload("humaneval")[::27] + load_workload("gsm8k")[::200]
+
+
+def test_prompt_set_covers_chat_code_and_math():
+    assert len(PROMPTS) >= 20
+    assert {"humaneval", "gsm8k"} <= {p.category for p in PROMPTS}
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=lambda p: p.id)
+def test_identical_to_greedy_generate(default_model, prompt):
+    model, tokenizer = default_model
+    input_ids = encode_prompt(tokenizer, prompt.turns[0])
+    expected = reference_greedy(model, input_ids, 128)
+    for config in CONFIGS:
+        out = generate(model, input_ids, max_new_tokens=128, config=config)
+        assert torch.equal(out.sequences, expected), f"{config} diverged on {prompt.id}"
+
+
+def test_lookahead_takes_fewer_steps_than_tokens_on_code(default_model):
+    model, tokenizer = default_model
+    input_ids = encode_prompt(tokenizer, load_workload("humaneval")[0].turns[0])
+    out = generate(model, input_ids, max_new_tokens=128)
+    assert out.stats.tokens_per_step > 1.2
