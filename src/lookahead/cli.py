@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import torch
 import typer
+from rich.console import Console
+from rich.progress import Progress, TextColumn
 from transformers import TextStreamer
 from transformers.utils import logging as hf_logging
 
 from .baseline import greedy_generate
+from .bench.cost import forward_cost, sweep
+from .bench.report import fit_log_line, summary_table, write_benchmark, write_cost, write_sweep
+from .bench.runner import environment, run_benchmark, standard_methods, summarize
 from .config import LookaheadConfig
 from .generation import DEFAULT_CONFIG, generate
 from .models import DTYPES, load_model
 from .prompts import encode_prompt
+from .workloads import BUILTIN, load_workload
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Lookahead decoding for Hugging Face causal LMs.")
 
@@ -88,6 +96,170 @@ def generate_command(
 @app.callback()
 def _root() -> None:
     """Lookahead decoding for Hugging Face causal LMs."""
+
+
+bench_app = typer.Typer(help="Benchmarks: methods side by side, the (W, N, G) sweep, the forward cost curve.")
+app.add_typer(bench_app, name="bench")
+
+ThreadsOption = Annotated[Optional[int], typer.Option(min=1, help="torch threads (default: torch's choice).")]
+OutOption = Annotated[Optional[Path], typer.Option("--out", help="Folder for results.json, report.md and plots.")]
+
+
+def _parse_config(text: str) -> LookaheadConfig:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+        raise typer.BadParameter(f"expected W,N,G (three integers), got {text!r}", param_hint="--config")
+    window, ngram, guesses = (int(p) for p in parts)
+    try:
+        return LookaheadConfig(window=window, ngram=ngram, guesses=guesses)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--config") from error
+
+
+def _load_for_bench(model: str | None, gguf_file: str | None, dtype: str, threads: int | None):
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"must be one of {sorted(DTYPES)}, got {dtype!r}", param_hint="--dtype")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    hf_logging.disable_progress_bar()
+    return load_model(model, gguf_file=gguf_file, dtype=dtype)
+
+
+def _workload(dataset: str, turns: int, raw: bool, category: str | None, limit: int | None):
+    try:
+        prompts = load_workload(dataset, turns=turns, raw=raw)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--dataset") from error
+    if category is not None:
+        known = sorted({p.category for p in prompts})
+        if category not in known:
+            raise typer.BadParameter(f"{category!r} is not in {dataset}; categories: {known}", param_hint="--category")
+        prompts = [p for p in prompts if p.category == category]
+    if limit is not None:  # evenly per category, so that a small limit still covers every category
+        by_category: dict[str, list] = {}
+        for prompt in prompts:
+            by_category.setdefault(prompt.category, []).append(prompt)
+        prompts = [p for group in by_category.values() for p in group[:limit]] if category is None and len(by_category) > 1 else prompts[:limit]
+    return prompts
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench_command(
+    ctx: typer.Context,
+    dataset: Annotated[str, typer.Option(help=f"One of {', '.join(BUILTIN)}, or a JSONL file with 'prompt' or 'turns'.")] = "mt_bench",
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Prompts per category (or in all, with one category).")] = None,
+    category: Annotated[Optional[str], typer.Option(help="Only this category.")] = None,
+    turns: Annotated[int, typer.Option(min=1, max=2, help="User turns of multi-turn data.")] = 1,
+    raw: Annotated[bool, typer.Option("--raw", help="No chat template (HumanEval: raw completion).")] = False,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
+    config: Annotated[Optional[list[str]], typer.Option("--config", help="Lookahead W,N,G; repeat for several.")] = None,
+    baselines: Annotated[str, typer.Option(help="Comma list from greedy, pld, plain (empty: none).")] = "greedy,pld,plain",
+    model: ModelOption = None,
+    gguf_file: GgufOption = None,
+    dtype: DtypeOption = "float32",
+    threads: ThreadsOption = None,
+    out: OutOption = None,
+    profile: Annotated[bool, typer.Option("--profile", help="Print where each method's time goes.")] = False,
+) -> None:
+    """Run greedy generate, prompt lookup, our plain loop and lookahead side by side on a workload."""
+    if ctx.invoked_subcommand is not None:
+        return
+    configs = [_parse_config(c) for c in config] if config else [DEFAULT_CONFIG]
+    names = [b.strip() for b in baselines.split(",") if b.strip()]
+    unknown = set(names) - {"greedy", "pld", "plain"}
+    if unknown:
+        raise typer.BadParameter(f"unknown {sorted(unknown)}; allowed: greedy, pld, plain", param_hint="--baselines")
+    prompts = _workload(dataset, turns, raw, category, limit)
+    lm, tokenizer = _load_for_bench(model, gguf_file, dtype, threads)
+    methods = standard_methods(configs, names)
+    console = Console(stderr=True)
+    total = len(methods) * sum(len(p.turns) for p in prompts)
+    with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as progress:
+        task = progress.add_task(f"{dataset}", total=total, last="")
+        runs = run_benchmark(
+            lm, tokenizer, prompts, methods, max_new_tokens,
+            on_run=lambda r: progress.update(task, advance=1, last=f"{r.method} {r.tokens_per_step:.2f} tok/step"),
+        )
+    rows = summarize(runs)
+    env = environment(lm)
+    print(summary_table(rows))
+    print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
+    if profile:
+        for r in (r for r in rows if r.category == "all" and r.overhead_fraction is not None):
+            forward = sum(x.forward_seconds for x in runs if x.method == r.method)
+            steps = sum(x.steps for x in runs if x.method == r.method)
+            print(
+                f"profile {r.method}: {1000 * r.seconds / steps:.1f} ms/step, model forward {1000 * forward / steps:.1f} ms, "
+                f"outside the model {100 * r.overhead_fraction:.1f}%"
+            )
+    if out is not None:
+        for path in write_benchmark(out, runs, rows, env, "lookahead bench " + " ".join(sys.argv[3:])):
+            print(f"wrote {path}")
+
+
+@bench_app.command("sweep")
+def sweep_command(
+    dataset: Annotated[str, typer.Option()] = "mt_bench",
+    limit: Annotated[int, typer.Option(min=1, help="Prompts per category.")] = 2,
+    windows: Annotated[str, typer.Option(help="Comma list of W.")] = "1,3,5,8",
+    ngrams: Annotated[str, typer.Option(help="Comma list of N.")] = "3,4,5",
+    guesses: Annotated[str, typer.Option(help="Comma list of G.")] = "2,5",
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    model: ModelOption = None,
+    gguf_file: GgufOption = None,
+    dtype: DtypeOption = "float32",
+    threads: ThreadsOption = None,
+    out: OutOption = None,
+) -> None:
+    """Grid over (W, N, G): tokens/step against tokens fed per step, with a fitted log line."""
+    grid = [_int_list(windows, "--windows"), _int_list(ngrams, "--ngrams"), _int_list(guesses, "--guesses")]
+    for w in grid[0]:
+        for n in grid[1]:
+            for g in grid[2]:
+                _parse_config(f"{w},{n},{g}")
+    prompts = _workload(dataset, 1, False, None, limit)
+    lm, tokenizer = _load_for_bench(model, gguf_file, dtype, threads)
+    inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw) for p in prompts]
+    points = sweep(lm, inputs, *grid, max_new_tokens)
+    print("| W | N | G | tokens fed/step | tokens/step | seconds |\n|---|---|---|---|---|---|")
+    for p in points:
+        print(f"| {p.window} | {p.ngram} | {p.guesses} | {p.tokens_fed_per_step:.1f} | {p.tokens_per_step:.2f} | {p.seconds:.1f} |")
+    if len(points) >= 2:
+        intercept, slope = fit_log_line(points)
+        print(f"fit: tokens/step = {intercept:.3f} + {slope:.3f} * ln(tokens fed per step)")
+    if out is not None:
+        for path in write_sweep(out, points, environment(lm)):
+            print(f"wrote {path}")
+
+
+@bench_app.command("cost")
+def cost_command(
+    context: Annotated[int, typer.Option(min=1, help="Cached tokens before the step.")] = 256,
+    max_k: Annotated[int, typer.Option(min=1, help="Largest k (powers of two up to it).")] = 128,
+    repeats: Annotated[int, typer.Option(min=1)] = 5,
+    model: ModelOption = None,
+    gguf_file: GgufOption = None,
+    dtype: DtypeOption = "float32",
+    threads: ThreadsOption = None,
+    out: OutOption = None,
+) -> None:
+    """The model's forward cost T(k) for k new tokens per step over a cached context."""
+    lm, _ = _load_for_bench(model, gguf_file, dtype, threads)
+    sizes = tuple(sorted({1, *(2**i for i in range(max_k.bit_length()) if 2**i <= max_k), max_k}))
+    points = forward_cost(lm, context=context, sizes=sizes, repeats=repeats)
+    print("| k | ms | T(k)/T(1) |\n|---|---|---|")
+    for p in points:
+        print(f"| {p.tokens} | {1000 * p.seconds:.1f} | {p.relative:.2f} |")
+    if out is not None:
+        for path in write_cost(out, points, environment(lm)):
+            print(f"wrote {path}")
+
+
+def _int_list(text: str, hint: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as error:
+        raise typer.BadParameter(f"expected a comma list of integers, got {text!r}", param_hint=hint) from error
 
 
 def main() -> None:

@@ -21,6 +21,8 @@ class GenerationStats:
     steps: int = 0  # forward passes after the prompt's prefill
     new_tokens: int = 0
     seconds: float = 0.0
+    forward_seconds: float = 0.0  # inside the model's forward (prefill included); the rest is our overhead
+    tokens_fed: int = 0  # tokens fed to the model over all steps (the per-step FLOPs budget)
     accepted_per_step: list[int] = field(default_factory=list, repr=False)
 
     @property
@@ -38,6 +40,8 @@ class GenerationStats:
             "tokens_per_step": self.tokens_per_step,
             "seconds": self.seconds,
             "tokens_per_second": self.tokens_per_second,
+            "forward_seconds": self.forward_seconds,
+            "tokens_fed": self.tokens_fed,
         }
 
 
@@ -84,6 +88,7 @@ def generate(
         plan = decoder.plan(last)
         past = cache.get_seq_length()
         logits = runner.logits(cache, plan.tokens, past + plan.layout.offsets, plan.layout.allowed, plan.layout.logit_rows)
+        stats.tokens_fed += plan.layout.size
         result = decoder.update(plan, logits.argmax(dim=-1).cpu())
         tokens = result.tokens[: max_new_tokens - len(generated)]
         finished = False
@@ -104,6 +109,7 @@ def generate(
         streamer.end()
     stats.new_tokens = len(generated)
     stats.seconds = time.perf_counter() - start
+    stats.forward_seconds = runner.forward_seconds
     sequences = torch.cat([prompt, torch.tensor(generated, dtype=torch.long)]).view(1, -1)
     return GenerateOutput(sequences, stats)
 

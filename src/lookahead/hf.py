@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+import time
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -53,6 +54,13 @@ class HFModelRunner:
         self.model = model
         self.device = model.device
         self.dtype = model.dtype
+        self.forward_seconds = 0.0  # time spent inside the model's forward, for profiling
+
+    def _forward(self, **kwargs):
+        start = time.perf_counter()
+        out = self.model(use_cache=True, **kwargs)
+        self.forward_seconds += time.perf_counter() - start
+        return out
 
     def new_cache(self) -> DynamicCache:
         # No config: every layer is a full `DynamicLayer`, which can drop arbitrary entries.
@@ -63,10 +71,9 @@ class HFModelRunner:
         """Run the committed tokens (1-D) through the model to fill the cache."""
         positions = torch.arange(tokens.numel(), device=self.device)
         kwargs = {"logits_to_keep": 1} if self.keeps_some_logits else {}
-        self.model(
+        self._forward(
             input_ids=tokens.view(1, -1).to(self.device),
             position_ids=positions.view(1, -1),
-            use_cache=True,
             **{self.cache_argument: cache},
             **kwargs,
         )
@@ -86,11 +93,10 @@ class HFModelRunner:
         past = cache.get_seq_length()
         mask = self._attention_mask(past, positions, allowed)
         kwargs = {"logits_to_keep": logit_rows.to(self.device)} if self.keeps_some_logits else {}
-        out = self.model(
+        out = self._forward(
             input_ids=tokens.view(1, -1).to(self.device),
             position_ids=positions.view(1, -1).to(self.device),
             attention_mask=mask,
-            use_cache=True,
             **{self.cache_argument: cache},
             **kwargs,
         )

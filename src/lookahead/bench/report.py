@@ -1,0 +1,123 @@
+"""Benchmark outputs: results.json, report.md and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from .cost import CostPoint, SweepPoint  # noqa: E402
+from .runner import Run, Summary  # noqa: E402
+
+
+def _fmt(value: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def summary_table(rows: list[Summary]) -> str:
+    lines = [
+        "| method | category | runs | tokens/step | tokens/s | speedup vs greedy (total) | (geomean) | vs plain | identical | overhead |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.method} | {r.category} | {r.runs} | {r.tokens_per_step:.2f} | {r.tokens_per_second:.1f} | "
+            f"{_fmt(r.speedup_total, suffix='x')} | {_fmt(r.speedup_geomean, suffix='x')} | "
+            f"{_fmt(r.speedup_vs_plain, suffix='x')} | {_fmt(r.identical_rate)} | "
+            f"{_fmt(None if r.overhead_fraction is None else 100 * r.overhead_fraction, 1, '%')} |"
+        )
+    return "\n".join(lines)
+
+
+def write_benchmark(out: Path, runs: list[Run], rows: list[Summary], env: dict, command: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    results = {
+        "command": command,
+        "environment": env,
+        "summary": [r.as_dict() for r in rows],
+        "runs": [{**asdict(r), "tokens_per_step": r.tokens_per_step} for r in runs],
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    env_lines = "\n".join(f"- {key}: {value}" for key, value in env.items())
+    (out / "report.md").write_text(
+        f"# Benchmark\n\n`{command}`\n\n{env_lines}\n\n{summary_table(rows)}\n\n"
+        "Speedup (total) is the ratio of total times; geomean, the geometric mean of per-prompt ratios; "
+        "overhead, the share of our time spent outside the model's forward.\n\n"
+        "![speedup](speedup.png)\n\n![tokens per step](tokens_per_step.png)\n"
+    )
+    return [out / "results.json", out / "report.md", _bars(out / "speedup.png", rows, "speedup_total", "speedup vs greedy"),
+            _bars(out / "tokens_per_step.png", rows, "tokens_per_step", "tokens per step")]
+
+
+def _bars(path: Path, rows: list[Summary], field: str, label: str) -> Path:
+    methods = list(dict.fromkeys(r.method for r in rows))
+    categories = list(dict.fromkeys(r.category for r in rows))
+    values = {(r.method, r.category): getattr(r, field) for r in rows}
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) * max(1, len(methods)) / 2), 4))
+    width = 0.8 / max(1, len(methods))
+    x = np.arange(len(categories))
+    for index, method in enumerate(methods):
+        heights = [values.get((method, c)) or 0.0 for c in categories]
+        ax.bar(x + index * width, heights, width, label=method)
+    ax.set_xticks(x + width * (len(methods) - 1) / 2, categories, rotation=20, ha="right")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_ylabel(label)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_cost(out: Path, points: list[CostPoint], env: dict) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cost.json").write_text(json.dumps({"environment": env, "points": [asdict(p) for p in points]}, indent=1))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p.tokens for p in points], [p.relative for p in points], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("new tokens per forward (k)")
+    ax.set_ylabel("T(k) / T(1)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "cost.png", dpi=110)
+    plt.close(fig)
+    return [out / "cost.json", out / "cost.png"]
+
+
+def fit_log_line(points: list[SweepPoint]) -> tuple[float, float]:
+    """Least-squares fit tokens/step = a + b * ln(tokens fed per step)."""
+    x = np.log([p.tokens_fed_per_step for p in points])
+    slope, intercept = np.polyfit(x, [p.tokens_per_step for p in points], 1)
+    return float(intercept), float(slope)
+
+
+def write_sweep(out: Path, points: list[SweepPoint], env: dict) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    intercept, slope = fit_log_line(points) if len(points) >= 2 else (float("nan"), float("nan"))
+    (out / "sweep.json").write_text(
+        json.dumps({"environment": env, "fit": {"intercept": intercept, "slope": slope},
+                    "points": [asdict(p) for p in points]}, indent=1)
+    )
+    fig, ax = plt.subplots(figsize=(6, 4))
+    fed = [p.tokens_fed_per_step for p in points]
+    ax.scatter(fed, [p.tokens_per_step for p in points])
+    for p in points:
+        ax.annotate(f"{p.window},{p.ngram},{p.guesses}", (p.tokens_fed_per_step, p.tokens_per_step), fontsize=6)
+    if len(points) >= 2:
+        grid = np.linspace(min(fed), max(fed), 50)
+        ax.plot(grid, intercept + slope * np.log(grid), color="C1", label=f"{intercept:.2f} + {slope:.2f}·ln(fed)")
+        ax.legend()
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens fed per step (log scale, ~ FLOPs per step)")
+    ax.set_ylabel("tokens per step")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "sweep.png", dpi=110)
+    plt.close(fig)
+    return [out / "sweep.json", out / "sweep.png"]

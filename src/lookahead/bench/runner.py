@@ -1,0 +1,224 @@
+"""Side-by-side benchmark: every method on the same model, prompts and machine, in one process."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import transformers
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..baseline import greedy_generate
+from ..config import LookaheadConfig
+from ..generation import generate
+from ..prompts import encode_messages, encode_prompt, has_chat_template
+from ..workloads import Prompt
+
+PLD_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # "greedy", "pld", "plain" or "lookahead-W{w}N{n}G{g}"
+    config: LookaheadConfig | None = None
+
+
+def standard_methods(configs: Iterable[LookaheadConfig], baselines: Iterable[str] = ("greedy", "pld", "plain")) -> list[Method]:
+    methods = [Method(name) for name in baselines]
+    methods += [Method(f"lookahead-W{c.window}N{c.ngram}G{c.guesses}", c) for c in configs]
+    return methods
+
+
+@dataclass
+class Run:
+    prompt_id: str
+    category: str
+    turn: int
+    method: str
+    new_tokens: int
+    steps: int
+    seconds: float
+    forward_seconds: float | None
+    tokens_fed: int | None
+    identical: bool | None  # same tokens as greedy (None when greedy did not run)
+    first_difference: int | None  # first differing new-token position, if not identical
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+
+class _ForwardCounter:
+    """Counts the model's forward passes (the steps of transformers' own `generate`)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls = 0
+        self._handle = model.register_forward_pre_hook(self._count)
+
+    def _count(self, *_: object) -> None:
+        self.calls += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def run_method(
+    model: PreTrainedModel, method: Method, input_ids: torch.Tensor, max_new_tokens: int
+) -> tuple[list[int], int, float, float | None, int | None]:
+    """(new tokens, steps, seconds, forward seconds, tokens fed) of one method on one prompt."""
+    prompt_len = input_ids.shape[1]
+    if method.config is not None or method.name == "plain":
+        config = method.config or LookaheadConfig(window=0, guesses=0)
+        out = generate(model, input_ids, max_new_tokens=max_new_tokens, config=config)
+        s = out.stats
+        return out.sequences[0, prompt_len:].tolist(), s.steps, s.seconds, s.forward_seconds, s.tokens_fed
+    extra = {"prompt_lookup_num_tokens": PLD_TOKENS} if method.name == "pld" else {}
+    if method.name not in ("greedy", "pld"):
+        raise ValueError(f"unknown method {method.name!r}")
+    counter = _ForwardCounter(model)
+    try:
+        sequences, seconds = greedy_generate(model, input_ids, max_new_tokens, **extra)
+    finally:
+        counter.close()
+    return sequences[0, prompt_len:].tolist(), counter.calls, seconds, None, None
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_benchmark(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[Prompt],
+    methods: list[Method],
+    max_new_tokens: int,
+    on_run: Callable[[Run], None] | None = None,
+) -> list[Run]:
+    """Run every method on every prompt (and turn), back to back with the order rotated per prompt."""
+    runs: list[Run] = []
+    if prompts:  # warm-up: one short run per method, untimed
+        warm = encode_prompt(tokenizer, prompts[0].turns[0], raw=prompts[0].raw)
+        for method in methods:
+            run_method(model, method, warm, 4)
+    for index, prompt in enumerate(prompts):
+        shift = index % len(methods)
+        order = methods[shift:] + methods[:shift]
+        history: list[dict[str, str]] = []
+        for turn, text in enumerate(prompt.turns):
+            use_chat = not prompt.raw and has_chat_template(tokenizer)
+            if use_chat:
+                history.append({"role": "user", "content": text})
+                input_ids = encode_messages(tokenizer, history)
+            else:
+                input_ids = encode_prompt(tokenizer, text, raw=True)
+            outputs: dict[str, tuple] = {}
+            for method in order:
+                outputs[method.name] = run_method(model, method, input_ids, max_new_tokens)
+            reference = outputs.get("greedy", outputs[methods[0].name])[0]
+            for method in methods:
+                tokens, steps, seconds, forward_seconds, tokens_fed = outputs[method.name]
+                difference = _first_difference(tokens, reference) if "greedy" in outputs else None
+                run = Run(
+                    prompt.id, prompt.category, turn, method.name, len(tokens), steps, seconds, forward_seconds,
+                    tokens_fed, None if "greedy" not in outputs else difference is None, difference,
+                )
+                runs.append(run)
+                if on_run is not None:
+                    on_run(run)
+            if use_chat:
+                history.append({"role": "assistant", "content": tokenizer.decode(reference, skip_special_tokens=True)})
+    return runs
+
+
+@dataclass
+class Summary:
+    method: str
+    category: str
+    runs: int
+    new_tokens: int
+    steps: int
+    seconds: float
+    tokens_per_step: float
+    tokens_per_second: float
+    speedup_total: float | None  # greedy's total time / this method's total time
+    speedup_geomean: float | None  # geometric mean of per-run ratios
+    speedup_vs_plain: float | None  # against our own loop with lookahead off
+    identical_rate: float | None
+    overhead_fraction: float | None  # share of the time outside the model's forward
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _ratio_stats(mine: list[Run], baseline: dict[tuple, Run]) -> tuple[float | None, float | None]:
+    pairs = [(baseline[(r.prompt_id, r.turn)], r) for r in mine if (r.prompt_id, r.turn) in baseline]
+    if not pairs:
+        return None, None
+    total = sum(b.seconds for b, _ in pairs) / sum(r.seconds for _, r in pairs)
+    geomean = math.exp(sum(math.log(b.seconds / r.seconds) for b, r in pairs) / len(pairs))
+    return total, geomean
+
+
+def summarize(runs: list[Run]) -> list[Summary]:
+    """Per method: one row per category and one overall ("all")."""
+    methods = list(dict.fromkeys(r.method for r in runs))
+    categories = list(dict.fromkeys(r.category for r in runs))
+    by_key = lambda name: {(r.prompt_id, r.turn): r for r in runs if r.method == name}  # noqa: E731
+    greedy, plain = by_key("greedy"), by_key("plain")
+    rows = []
+    for method in methods:
+        for category in categories + ["all"]:
+            mine = [r for r in runs if r.method == method and category in ("all", r.category)]
+            if not mine:
+                continue
+            new_tokens, steps, seconds = (sum(getattr(r, f) for r in mine) for f in ("new_tokens", "steps", "seconds"))
+            total, geomean = _ratio_stats(mine, greedy)
+            vs_plain, _ = _ratio_stats(mine, plain)
+            identical = [r.identical for r in mine if r.identical is not None]
+            forward = [r for r in mine if r.forward_seconds is not None]
+            overhead = (
+                1 - sum(r.forward_seconds for r in forward) / sum(r.seconds for r in forward) if forward else None
+            )
+            rows.append(
+                Summary(
+                    method, category, len(mine), new_tokens, steps, seconds,
+                    new_tokens / steps if steps else 0.0, new_tokens / seconds if seconds else 0.0,
+                    total, geomean, vs_plain, sum(identical) / len(identical) if identical else None, overhead,
+                )
+            )
+    return rows
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(model: PreTrainedModel) -> dict[str, object]:
+    return {
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "model": getattr(model.config, "_name_or_path", type(model).__name__),
+        "device": str(model.device),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
