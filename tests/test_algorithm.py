@@ -6,44 +6,57 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead.core.layout import step_layout
+from lookahead.core.layout import build_guess_tree, step_layout
 from lookahead.core.pool import NGramPool
 from lookahead.core.verify import verify_greedy
 from lookahead.core.window import LookaheadWindow
 
 
-def slow_layout(levels: int, width: int, guesses: int, guess_len: int):
-    """Rows described one by one, written plainly: (kind, a, b) per row, then every pair checked."""
+def slow_layout(levels: int, width: int, guesses: list[tuple[int, ...]]):
+    """Rows described one by one, written plainly, then every pair checked. A guess token is identified
+    by the guess prefix that ends in it; equal prefixes are one row."""
     rows = [("last", 0, 0)]
     rows += [("window", level, column) for level in range(levels) for column in range(width)]
-    rows += [("guess", g, t) for g in range(guesses) for t in range(guess_len)]
-    offsets = []
+    for guess in guesses:
+        for t in range(len(guess)):
+            if ("guess", guess[: t + 1], 0) not in rows:
+                rows.append(("guess", guess[: t + 1], 0))
+    offsets, allowed = [], []
     for kind, a, b in rows:
-        offsets.append(0 if kind == "last" else a + b + 1 if kind == "window" else b + 1)
-    allowed = [[False] * len(rows) for _ in rows]
-    for r, (kind, a, b) in enumerate(rows):
+        offsets.append(0 if kind == "last" else a + b + 1 if kind == "window" else len(a))
+        line = []
         for c, (ckind, ca, cb) in enumerate(rows):
-            if c == 0 or c == r:
-                allowed[r][c] = True
+            if c == 0 or (kind, a, b) == (ckind, ca, cb):
+                line.append(True)
             elif kind == "window" and ckind == "window":
-                allowed[r][c] = (ca == 0 and cb <= b) or (cb == b and 1 <= ca <= a)
+                line.append((ca == 0 and cb <= b) or (cb == b and 1 <= ca <= a))
             elif kind == "guess" and ckind == "guess":
-                allowed[r][c] = ca == a and cb <= b
-    return offsets, allowed
+                line.append(a[: len(ca)] == ca)
+            else:
+                line.append(False)
+        allowed.append(line)
+    paths = [[rows.index(("guess", guess[: t + 1], 0)) for t in range(len(guess))] for guess in guesses]
+    return offsets, allowed, paths
 
 
-@given(
-    levels=st.integers(0, 4), width=st.integers(0, 5), guesses=st.integers(0, 4), guess_len=st.integers(1, 4)
+guess_lists = st.integers(1, 4).flatmap(
+    lambda m: st.lists(st.lists(st.integers(0, 3), min_size=m, max_size=m).map(tuple), max_size=5).map(lambda g: (m, g))
 )
-@settings(max_examples=60, deadline=None)
-def test_layout_matches_plain_reference(levels, width, guesses, guess_len):
+
+
+@given(levels=st.integers(0, 4), width=st.integers(0, 5), guesses=guess_lists)
+@settings(max_examples=80, deadline=None)
+def test_layout_matches_plain_reference(levels, width, guesses):
+    guess_len, guesses = guesses
     if levels == 0 or width == 0:
         levels = width = 0
-    layout = step_layout(levels, width, guesses, guess_len)
-    offsets, allowed = slow_layout(levels, width, guesses, guess_len)
+    tree = build_guess_tree(guesses, guess_len)
+    layout = step_layout(levels, width, tree)
+    offsets, allowed, paths = slow_layout(levels, width, guesses)
     assert layout.offsets.tolist() == offsets
     assert layout.allowed.tolist() == allowed
-    assert layout.size == 1 + levels * width + guesses * guess_len
+    assert layout.guess_rows.tolist() == paths
+    assert layout.size == 1 + levels * width + len({g[: t + 1] for g in guesses for t in range(guess_len)})
     newest = list(range(1 + (levels - 1) * width, 1 + levels * width)) if levels else []
     assert layout.window_rows.tolist() == newest
     assert layout.logit_rows.tolist() == [0] + newest + list(range(1 + levels * width, layout.size))
@@ -52,14 +65,18 @@ def test_layout_matches_plain_reference(levels, width, guesses, guess_len):
 def test_every_row_context_is_a_contiguous_chain():
     """What each row sees, sorted by position, must be positions 0..own position with no gap or repeat:
     that is what makes its prediction the same as a plain left-to-right pass would give."""
-    layout = step_layout(3, 4, 3, 3)
+    tree = build_guess_tree([(1, 2, 3), (1, 2, 4), (5, 6, 7)], 3)
+    layout = step_layout(3, 4, tree)
     for row in range(layout.size):
         seen = sorted(layout.offsets[layout.allowed[row]].tolist())
         assert seen == list(range(int(layout.offsets[row]) + 1))
 
 
-def test_layout_is_cached():
-    assert step_layout(2, 3, 1, 2) is step_layout(2, 3, 1, 2)
+def test_shared_prefixes_are_fed_once():
+    tree = build_guess_tree([(1, 2, 3), (1, 2, 4), (1, 5, 6)], 3)
+    assert tree.tokens == [1, 2, 3, 4, 5, 6]
+    assert tree.parents == (-1, 0, 1, 1, 0, 4)
+    assert tree.paths.tolist() == [[0, 1, 2], [0, 1, 3], [0, 4, 5]]
 
 
 def test_pool_keeps_most_recent_distinct_continuations():

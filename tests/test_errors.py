@@ -18,6 +18,7 @@ from lookahead import LookaheadConfig, UnsupportedModelError, generate
         ({"window": 2.5}, "window must be an integer"),
         ({"ngram": True}, "ngram must be an integer"),
         ({"seed_from_prompt": "yes"}, "seed_from_prompt must be a bool"),
+        ({"learn_from_output": 1}, "learn_from_output must be a bool"),
         ({"seed": -1}, "seed must be an integer >= 0"),
     ],
 )

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lookahead import LookaheadConfig, generate
-from lookahead.core.layout import step_layout
+from lookahead.core.layout import build_guess_tree, step_layout
 from lookahead.hf import HFModelRunner
 
 CONFIGS = [
@@ -55,7 +55,7 @@ def test_step_predictions_equal_plain_forward(tiny_model):
     prompt = random_prompt(40, 5)[0]
     cache = runner.new_cache()
     runner.prefill(cache, prompt[:-1])
-    layout = step_layout(3, 4, 2, 3)
+    layout = step_layout(3, 4, build_guess_tree([(9, 8, 7), (9, 6, 5), (4, 3, 2)], 3))
     tokens = torch.randint(3, 128, (layout.size,), generator=torch.Generator().manual_seed(6))
     tokens[0] = prompt[-1]
     past = cache.get_seq_length()
@@ -74,7 +74,7 @@ def test_commit_leaves_exactly_the_committed_tokens_in_the_cache(llama_tiny):
     prompt = random_prompt(20, 7)[0]
     cache = runner.new_cache()
     runner.prefill(cache, prompt[:-1])
-    layout = step_layout(2, 3, 2, 3)
+    layout = step_layout(2, 3, build_guess_tree([(9, 8, 7), (9, 6, 5)], 3))
     tokens = torch.randint(3, 128, (layout.size,), generator=torch.Generator().manual_seed(8))
     tokens[0] = prompt[-1]
     past = cache.get_seq_length()

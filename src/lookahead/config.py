@@ -14,6 +14,7 @@ class LookaheadConfig:
     guesses: G, the most n-grams verified per step, and kept per first token in the pool
              (0 turns verification off: one token per step, i.e. plain decoding).
     seed_from_prompt: put the prompt's own n-grams into the pool before the first step.
+    learn_from_output: put the n-grams of the committed output into the pool as they appear.
     seed: seed for the random prompt tokens that start the window.
     """
 
@@ -21,14 +22,16 @@ class LookaheadConfig:
     ngram: int = 4
     guesses: int = 5
     seed_from_prompt: bool = True
+    learn_from_output: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
         _check_int("window", self.window, 0, "an integer >= 0 (0 disables the lookahead branch)")
         _check_int("ngram", self.ngram, 2, "an integer >= 2")
         _check_int("guesses", self.guesses, 0, "an integer >= 0 (0 disables verification)")
-        if not isinstance(self.seed_from_prompt, bool):
-            raise ValueError(f"seed_from_prompt must be a bool, got {self.seed_from_prompt!r}")
+        for name in ("seed_from_prompt", "learn_from_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LookaheadConfig.{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("seed", self.seed, 0, "an integer >= 0")
 
     @property
@@ -36,10 +39,6 @@ class LookaheadConfig:
         """Levels of the lookahead window (Jacobi iterations kept)."""
         return self.ngram - 1
 
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens fed to the model per step at most: last token, full window, all guesses."""
-        return 1 + self.window * self.levels + self.guesses * (self.ngram - 1)
 
 
 def _check_int(name: str, value: object, minimum: int, allowed: str) -> None:

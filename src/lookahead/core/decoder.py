@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import LookaheadConfig
-from .layout import StepLayout, step_layout
+from .layout import GuessTree, StepLayout, build_guess_tree, step_layout
 from .pool import NGramPool
 from .verify import Verdict, verify_greedy
 from .window import LookaheadWindow
@@ -23,6 +23,7 @@ class StepPlan:
     tokens: torch.Tensor  # [q] long, in layout row order
     layout: StepLayout
     guesses: torch.Tensor  # [G, M] long
+    tree: GuessTree
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class LookaheadDecoder:
         self.pool = NGramPool(config.ngram, config.guesses)
         if config.seed_from_prompt:
             self.pool.add_all(prompt)
+        self.sequence = list(prompt)  # committed so far, for the n-grams of the output
         rng = random.Random(config.seed)
         self.window = LookaheadWindow(rng.choices(prompt, k=config.window), config.levels)
 
@@ -44,20 +46,31 @@ class LookaheadDecoder:
         continuations = self.pool.continuations(last_token)[: self.config.guesses]
         guess_len = self.config.ngram - 1
         guesses = torch.tensor(continuations, dtype=torch.long).view(len(continuations), guess_len)
-        layout = step_layout(len(self.window.levels), self.window.width, len(continuations), guess_len)
-        tokens = torch.cat([torch.tensor([last_token] + self.window.tokens), guesses.flatten()])
-        return StepPlan(tokens, layout, guesses)
+        tree = build_guess_tree(continuations, guess_len)
+        layout = step_layout(len(self.window.levels), self.window.width, tree)
+        tokens = torch.tensor([last_token] + self.window.tokens + tree.tokens)
+        return StepPlan(tokens, layout, guesses, tree)
 
     def update(self, plan: StepPlan, predictions: torch.Tensor) -> StepResult:
         """predictions: argmax at `plan.layout.logit_rows`, in that order."""
         width = plan.layout.window_rows.numel()
         values = predictions.tolist()
-        guess_predictions = predictions[1 + width :].view_as(plan.guesses)
+        guess_predictions = predictions[1 + width :][plan.tree.paths]
         verdict: Verdict = verify_greedy(values[0], plan.guesses, guess_predictions)
         if width:
             for ngram in self.window.advance(values[1 : 1 + width]):
                 self.pool.add(ngram)
+        self._learn_from_output(verdict.tokens)
         kept = torch.zeros(1, dtype=torch.long)
         if verdict.matched:
             kept = torch.cat([kept, plan.layout.guess_rows[verdict.guess, : verdict.matched]])
         return StepResult(verdict.tokens, kept)
+
+    def _learn_from_output(self, committed: list[int]) -> None:
+        """Pool the n-grams that end in the newly committed tokens (repetitions within the output)."""
+        self.sequence.extend(committed)
+        if not self.config.learn_from_output:
+            return
+        n, end = self.config.ngram, len(self.sequence)
+        for stop in range(max(n, end - len(committed) + 1), end + 1):
+            self.pool.add(self.sequence[stop - n : stop])

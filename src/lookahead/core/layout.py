@@ -1,17 +1,19 @@
-"""Layout of one step's input: [last token | window levels | guesses], with positions and attention.
+"""Layout of one step's input: [last token | window levels | guess tree], with positions and attention.
 
-Rows: 0 is the last committed token; then level l, column i of the window at 1 + l*W + i; then guess g,
-token t at 1 + L*W + g*M + t (M tokens per guess). Positions are offsets from the last token's position.
+Rows: 0 is the last committed token; then level l, column i of the window at 1 + l*W + i; then the
+nodes of the guess tree. Guesses that share a prefix share its nodes, so a step costs only the distinct
+tokens of its guesses. Positions are offsets from the last token's position.
 
-Attention inside the step (everything attends to the whole committed prefix as well):
+Attention inside the step (every row also attends to the whole committed prefix):
 - every row sees row 0 and itself;
 - window (l, i) sees level 0 at columns <= i and levels 1..l at column i, so that its context is the
   contiguous chain of positions 1 .. l+i+1;
-- guess (g, t) sees tokens 0..t of guess g.
+- a guess node sees its ancestors in the tree.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -23,47 +25,82 @@ class StepLayout:
     offsets: torch.Tensor  # [q] long: position of each row minus the last token's position
     allowed: torch.Tensor  # [q, q] bool: row may attend column
     window_rows: torch.Tensor  # [W] long: rows of the newest window level
-    guess_rows: torch.Tensor  # [G, M] long
-    logit_rows: torch.Tensor  # [1 + W + G*M] long: rows whose next-token predictions the step needs
+    guess_rows: torch.Tensor  # [G, M] long: row of each guess's t-th token (shared by equal prefixes)
+    logit_rows: torch.Tensor  # rows whose next-token predictions the step needs: 0, window_rows, tree nodes
 
     @property
     def size(self) -> int:
         return self.offsets.numel()
 
 
-@lru_cache(maxsize=256)
-def step_layout(levels: int, width: int, guesses: int, guess_len: int) -> StepLayout:
-    """Build (once per shape) the layout of a step with `levels` x `width` window and `guesses` x `guess_len`."""
-    n_window, n_guess = levels * width, guesses * guess_len
-    size = 1 + n_window + n_guess
-    # Per-row coordinates; -1 marks "not in this branch".
-    level = torch.full((size,), -1)
-    column = torch.full((size,), -1)
-    guess = torch.full((size,), -1)
-    depth = torch.full((size,), -1)
-    window_slice = slice(1, 1 + n_window)
-    guess_slice = slice(1 + n_window, size)
-    level[window_slice] = torch.arange(levels).repeat_interleave(width)
-    column[window_slice] = torch.arange(width).repeat(levels)
-    guess[guess_slice] = torch.arange(guesses).repeat_interleave(guess_len)
-    depth[guess_slice] = torch.arange(guess_len).repeat(guesses)
+@dataclass(frozen=True)
+class GuessTree:
+    tokens: list[int]  # one per node, parents before children
+    parents: tuple[int, ...]  # parent node of each node, -1 for children of the last token
+    paths: torch.Tensor  # [G, M] long: node of each guess's t-th token
 
-    offsets = torch.zeros(size, dtype=torch.long)
-    offsets[window_slice] = level[window_slice] + column[window_slice] + 1
-    offsets[guess_slice] = depth[guess_slice] + 1
 
+def build_guess_tree(guesses: Sequence[Sequence[int]], guess_len: int) -> GuessTree:
+    """Merge guesses into a prefix tree."""
+    node_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    tokens: list[int] = []
+    parents: list[int] = []
+    paths = []
+    for guess in guesses:
+        parent, path = -1, []
+        for token in guess:
+            node = node_of.get((parent, token))
+            if node is None:
+                node = node_of[(parent, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+            path.append(node)
+            parent = node
+        paths.append(path)
+    return GuessTree(tokens, tuple(parents), torch.tensor(paths, dtype=torch.long).view(len(paths), guess_len))
+
+
+@lru_cache(maxsize=64)
+def _window_block(levels: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Offsets and attention among the window rows alone."""
+    level = torch.arange(levels).repeat_interleave(width)
+    column = torch.arange(width).repeat(levels)
+    offsets = level + column + 1
     row_level, col_level = level[:, None], level[None, :]
     row_column, col_column = column[:, None], column[None, :]
-    in_window = (row_level >= 0) & (col_level >= 0)
-    window_sees = in_window & (
-        ((col_level == 0) & (col_column <= row_column)) | ((col_column == row_column) & (col_level <= row_level))
-    )
-    in_guesses = (guess[:, None] >= 0) & (guess[None, :] >= 0)
-    guess_sees = in_guesses & (guess[:, None] == guess[None, :]) & (depth[None, :] <= depth[:, None])
-    allowed = window_sees | guess_sees | torch.eye(size, dtype=torch.bool)
-    allowed[:, 0] = True
+    allowed = ((col_level == 0) & (col_column <= row_column)) | ((col_column == row_column) & (col_level <= row_level))
+    return offsets, allowed
 
-    window_rows = torch.arange(1 + (levels - 1) * width, 1 + n_window) if levels else torch.zeros(0, dtype=torch.long)
-    guess_rows = torch.arange(1 + n_window, size).view(guesses, guess_len)
-    logit_rows = torch.cat([torch.zeros(1, dtype=torch.long), window_rows, guess_rows.flatten()])
-    return StepLayout(offsets, allowed, window_rows, guess_rows, logit_rows)
+
+@lru_cache(maxsize=1024)
+def _tree_block(parents: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Offsets (depth + 1) and ancestor-or-self attention among the tree nodes."""
+    size = len(parents)
+    parent = torch.tensor(parents, dtype=torch.long).view(size)
+    allowed = torch.eye(size, dtype=torch.bool)
+    depth = torch.ones(size, dtype=torch.long)
+    ancestor = parent.clone()
+    rows = torch.arange(size)
+    while bool((ancestor >= 0).any()):
+        present = ancestor >= 0
+        allowed[rows[present], ancestor[present]] = True
+        depth += present.long()
+        ancestor = torch.where(present, parent[ancestor.clamp(min=0)], ancestor)
+    return depth, allowed
+
+
+def step_layout(levels: int, width: int, tree: GuessTree) -> StepLayout:
+    n_window = levels * width
+    n_tree = len(tree.parents)
+    size = 1 + n_window + n_tree
+    offsets = torch.zeros(size, dtype=torch.long)
+    allowed = torch.zeros(size, size, dtype=torch.bool)
+    allowed[:, 0] = True
+    if n_window:
+        offsets[1 : 1 + n_window], allowed[1 : 1 + n_window, 1 : 1 + n_window] = _window_block(levels, width)
+    if n_tree:
+        offsets[1 + n_window :], allowed[1 + n_window :, 1 + n_window :] = _tree_block(tree.parents)
+    window_rows = torch.arange(1 + (levels - 1) * width, 1 + n_window) if n_window else torch.zeros(0, dtype=torch.long)
+    tree_rows = torch.arange(1 + n_window, size)
+    logit_rows = torch.cat([torch.zeros(1, dtype=torch.long), window_rows, tree_rows])
+    return StepLayout(offsets, allowed, window_rows, tree.paths + 1 + n_window, logit_rows)
