@@ -58,12 +58,14 @@ def generate(
     config: LookaheadConfig | None = None,
     eos_token_id: int | Iterable[int] | None = None,
     streamer=None,
+    packed_linear: bool | None = None,
 ) -> GenerateOutput:
     """Greedy decoding with lookahead; the output equals `model.generate(do_sample=False)` token for token.
 
     input_ids: [1, n] or [n] token ids (batch size 1). eos_token_id: one id or several; None takes the
     model's generation config. streamer: any transformers streamer; it gets the prompt, then every
-    committed token.
+    committed token. packed_linear: run the model's linear layers on oneDNN-prepacked weights (CPU
+    float32/bfloat16 only; None: whenever possible); see `hf.PackedLinears`.
     """
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, LookaheadConfig):
@@ -71,7 +73,7 @@ def generate(
     prompt = _prompt_tensor(input_ids)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    runner = HFModelRunner(model)
+    runner = HFModelRunner(model, packed_linear=packed_linear)
     stop_ids = _eos_ids(model, eos_token_id)
 
     start = time.perf_counter()
