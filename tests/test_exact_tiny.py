@@ -156,3 +156,29 @@ def _cached_model(family: str) -> torch.nn.Module:
     if family not in _MODELS:
         _MODELS[family] = make_tiny_model(family)
     return _MODELS[family]
+
+
+def test_default_config_follows_the_device(llama_tiny):
+    from lookahead.generation import CPU_CONFIG, default_config
+
+    assert default_config(llama_tiny) == CPU_CONFIG
+    prompt = random_prompt(20, 19)
+    implicit = generate(llama_tiny, prompt, max_new_tokens=30)
+    explicit = generate(llama_tiny, prompt, max_new_tokens=30, config=CPU_CONFIG)
+    assert implicit.stats.accepted_per_step == explicit.stats.accepted_per_step
+
+
+@pytest.mark.parametrize("packed_linear", [True, False])
+def test_packed_linear_path_is_exact_and_leaves_the_model_as_it_was(tiny_model, packed_linear):
+    prompt = random_prompt(25, 23)
+    expected = reference_greedy(tiny_model, prompt, 40)
+    out = generate(tiny_model, prompt, max_new_tokens=40, config=LookaheadConfig(), packed_linear=packed_linear)
+    assert torch.equal(out.sequences, expected)
+    linears = [m for m in tiny_model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all("forward" not in vars(m) for m in linears)
+
+
+def test_packed_linear_refused_where_unsupported():
+    model = make_tiny_model("llama").to(torch.float16)
+    with pytest.raises(ValueError, match="packed_linear=True needs a float32 or bfloat16 model on CPU"):
+        generate(model, [5, 6, 7], packed_linear=True)

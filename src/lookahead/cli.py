@@ -19,7 +19,7 @@ from .bench.cost import forward_cost, sweep
 from .bench.report import fit_log_line, summary_table, write_benchmark, write_cost, write_sweep
 from .bench.runner import environment, run_benchmark, standard_methods, summarize
 from .config import LookaheadConfig
-from .generation import DEFAULT_CONFIG, generate
+from .generation import ACCELERATOR_CONFIG, default_config, generate
 from .models import DTYPES, load_model
 from .prompts import encode_prompt
 from .workloads import BUILTIN, load_workload
@@ -33,9 +33,13 @@ GgufOption = Annotated[Optional[str], typer.Option("--gguf-file", help="GGUF fil
 DtypeOption = Annotated[str, typer.Option("--dtype", help=f"One of {', '.join(DTYPES)}.")]
 
 
-def _config(window: int, ngram: int, guesses: int) -> LookaheadConfig:
+def _config(window: int | None, ngram: int | None, guesses: int | None) -> LookaheadConfig | None:
+    """None (the device's default) when no option is given; else the given values over the defaults."""
+    if window is None and ngram is None and guesses is None:
+        return None
+    given = {k: v for k, v in {"window": window, "ngram": ngram, "guesses": guesses}.items() if v is not None}
     try:
-        return LookaheadConfig(window=window, ngram=ngram, guesses=guesses)
+        return LookaheadConfig(**given)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
 
@@ -47,14 +51,17 @@ def generate_command(
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens to generate.")] = 128,
-    window: Annotated[int, typer.Option(help="W: lookahead window columns (0: off).")] = DEFAULT_CONFIG.window,
-    ngram: Annotated[int, typer.Option(help="N: n-gram size (>= 2).")] = DEFAULT_CONFIG.ngram,
-    guesses: Annotated[int, typer.Option(help="G: n-grams verified per step (0: off).")] = DEFAULT_CONFIG.guesses,
+    window: Annotated[Optional[int], typer.Option(help="W: lookahead window columns (0: off).")] = None,
+    ngram: Annotated[Optional[int], typer.Option(help="N: n-gram size (>= 2).")] = None,
+    guesses: Annotated[Optional[int], typer.Option(help="G: n-grams verified per step (0: off).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
     compare: Annotated[bool, typer.Option("--compare", help="Also run plain greedy model.generate and compare.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
 ) -> None:
-    """Generate text with lookahead decoding, streaming it to the terminal."""
+    """Generate text with lookahead decoding, streaming it to the terminal.
+
+    Without --window/--ngram/--guesses the config fitted to the model's device is used; any of them given
+    overrides LookaheadConfig's defaults (W=5, N=4, G=5)."""
     config = _config(window, ngram, guesses)
     hf_logging.disable_progress_bar()
     if dtype not in DTYPES:
@@ -152,7 +159,7 @@ def bench_command(
     turns: Annotated[int, typer.Option(min=1, max=2, help="User turns of multi-turn data.")] = 1,
     raw: Annotated[bool, typer.Option("--raw", help="No chat template (HumanEval: raw completion).")] = False,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
-    config: Annotated[Optional[list[str]], typer.Option("--config", help="Lookahead W,N,G; repeat for several.")] = None,
+    config: Annotated[Optional[list[str]], typer.Option("--config", help="Lookahead W,N,G; repeat for several (default: the device's config and 5,4,5).")] = None,
     baselines: Annotated[str, typer.Option(help="Comma list from greedy, pld, plain (empty: none).")] = "greedy,pld,plain",
     model: ModelOption = None,
     gguf_file: GgufOption = None,
@@ -164,13 +171,15 @@ def bench_command(
     """Run greedy generate, prompt lookup, our plain loop and lookahead side by side on a workload."""
     if ctx.invoked_subcommand is not None:
         return
-    configs = [_parse_config(c) for c in config] if config else [DEFAULT_CONFIG]
+    configs = [_parse_config(c) for c in config] if config else None
     names = [b.strip() for b in baselines.split(",") if b.strip()]
     unknown = set(names) - {"greedy", "pld", "plain"}
     if unknown:
         raise typer.BadParameter(f"unknown {sorted(unknown)}; allowed: greedy, pld, plain", param_hint="--baselines")
     prompts = _workload(dataset, turns, raw, category, limit)
     lm, tokenizer = _load_for_bench(model, gguf_file, dtype, threads)
+    if configs is None:  # the device's default, and the paper's regime beside it
+        configs = list(dict.fromkeys([default_config(lm), ACCELERATOR_CONFIG]))
     methods = standard_methods(configs, names)
     console = Console(stderr=True)
     total = len(methods) * sum(len(p.turns) for p in prompts)

@@ -13,7 +13,17 @@ from .config import LookaheadConfig
 from .core.decoder import LookaheadDecoder
 from .hf import HFModelRunner
 
-DEFAULT_CONFIG = LookaheadConfig()
+# Where extra tokens in a step are nearly free (GPUs), the paper's regime: a 5x3 window and 5 guesses.
+ACCELERATOR_CONFIG = LookaheadConfig()
+# On CPU a step of k > 1 tokens costs 1.3x (k=2..4) to 1.8x (k=16) a one-token step (`lookahead bench
+# cost`), and the Jacobi window's extra n-grams do not pay for their rows: n-grams from the prompt and
+# the output alone, verified as one token tree, measured fastest (docs/benchmarks.md).
+CPU_CONFIG = LookaheadConfig(window=0, ngram=4, guesses=5)
+
+
+def default_config(model: PreTrainedModel) -> LookaheadConfig:
+    """The config that `config=None` means: fitted to the device the model is on."""
+    return CPU_CONFIG if model.device.type == "cpu" else ACCELERATOR_CONFIG
 
 
 @dataclass
@@ -62,18 +72,19 @@ def generate(
 ) -> GenerateOutput:
     """Greedy decoding with lookahead; the output equals `model.generate(do_sample=False)` token for token.
 
+    config: None picks `default_config(model)`, fitted to the device.
     input_ids: [1, n] or [n] token ids (batch size 1). eos_token_id: one id or several; None takes the
     model's generation config. streamer: any transformers streamer; it gets the prompt, then every
     committed token. packed_linear: run the model's linear layers on oneDNN-prepacked weights (CPU
     float32/bfloat16 only; None: whenever possible); see `hf.PackedLinears`.
     """
-    config = DEFAULT_CONFIG if config is None else config
-    if not isinstance(config, LookaheadConfig):
+    if config is not None and not isinstance(config, LookaheadConfig):
         raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")
     prompt = _prompt_tensor(input_ids)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     runner = HFModelRunner(model, packed_linear=packed_linear)
+    config = default_config(model) if config is None else config
     stop_ids = _eos_ids(model, eos_token_id)
 
     start = time.perf_counter()
