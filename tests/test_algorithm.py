@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from lookahead.core.layout import build_guess_tree, step_layout
 from lookahead.core.pool import NGramPool
-from lookahead.core.verify import verify_greedy
+from lookahead.core.verify import ROOT, Verdict, greedy_choice, verify_greedy, walk_tree
 from lookahead.core.window import LookaheadWindow
 
 
@@ -110,18 +110,31 @@ def test_window_fills_then_emits_ngrams_and_shifts():
 
 
 def test_verify_takes_longest_matching_prefix_plus_next_prediction():
-    guesses = torch.tensor([[5, 9, 9], [5, 6, 7], [4, 6, 7]])
-    # after last token the model says 5; after guess tokens it predicts:
-    predictions = torch.tensor([[6, 1, 1], [6, 8, 3], [6, 7, 2]])
-    verdict = verify_greedy(5, guesses, predictions)
-    assert (verdict.guess, verdict.matched, verdict.tokens) == (1, 2, [5, 6, 8])
+    tree = build_guess_tree([(5, 9, 9), (5, 6, 7), (4, 6, 7)], 3)  # nodes: 5, 9, 9', 6, 7, 4, 6', 7'
+    # the model says 5 after the last token, and after each node:
+    node_predictions = torch.tensor([6, 1, 1, 8, 3, 6, 7, 2])
+    verdict = verify_greedy(tree, 5, node_predictions)
+    assert verdict.tokens == [5, 6, 8] and verdict.nodes == [0, 3]
 
 
 def test_verify_without_match_or_guesses_commits_one_token():
-    assert verify_greedy(3, torch.tensor([[4, 5]]), torch.tensor([[5, 6]])).tokens == [3]
-    assert verify_greedy(3, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long)).tokens == [3]
+    assert verify_greedy(build_guess_tree([(4, 5)], 2), 3, torch.tensor([5, 6])).tokens == [3]
+    assert verify_greedy(build_guess_tree([], 2), 3, torch.zeros(0, dtype=torch.long)) == Verdict([3], [])
 
 
 def test_verify_full_match_commits_guess_and_bonus_token():
-    verdict = verify_greedy(1, torch.tensor([[1, 2, 3]]), torch.tensor([[2, 3, 4]]))
-    assert verdict.tokens == [1, 2, 3, 4] and verdict.matched == 3
+    verdict = verify_greedy(build_guess_tree([(1, 2, 3)], 3), 1, torch.tensor([2, 3, 4]))
+    assert verdict.tokens == [1, 2, 3, 4] and verdict.nodes == [0, 1, 2]
+
+
+def test_greedy_walk_equals_vectorised_greedy():
+    """The per-node walk (used when logits processors are on) agrees with the vectorised path."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        guesses = [tuple(torch.randint(0, 3, (3,), generator=generator).tolist()) for _ in range(4)]
+        tree = build_guess_tree(guesses, 3)
+        logits = torch.randn(1 + len(tree.tokens), 3, generator=generator)
+        predictions = logits.argmax(dim=-1)
+        fast = verify_greedy(tree, int(predictions[0]), predictions[1:])
+        walked = walk_tree(tree, lambda node, accepted: logits[0 if node == ROOT else 1 + node], greedy_choice)
+        assert fast == walked

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from itertools import zip_longest
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -142,11 +143,12 @@ def _workload(dataset: str, turns: int, raw: bool, category: str | None, limit: 
         if category not in known:
             raise typer.BadParameter(f"{category!r} is not in {dataset}; categories: {known}", param_hint="--category")
         prompts = [p for p in prompts if p.category == category]
-    if limit is not None:  # evenly per category, so that a small limit still covers every category
+    if limit is not None:  # round-robin over categories, so that a small limit still covers each of them
         by_category: dict[str, list] = {}
         for prompt in prompts:
             by_category.setdefault(prompt.category, []).append(prompt)
-        prompts = [p for group in by_category.values() for p in group[:limit]] if category is None and len(by_category) > 1 else prompts[:limit]
+        interleaved = [p for rank in zip_longest(*by_category.values()) for p in rank if p is not None]
+        prompts = interleaved[:limit]
     return prompts
 
 
@@ -154,7 +156,7 @@ def _workload(dataset: str, turns: int, raw: bool, category: str | None, limit: 
 def bench_command(
     ctx: typer.Context,
     dataset: Annotated[str, typer.Option(help=f"One of {', '.join(BUILTIN)}, or a JSONL file with 'prompt' or 'turns'.")] = "mt_bench",
-    limit: Annotated[Optional[int], typer.Option(min=1, help="Prompts per category (or in all, with one category).")] = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Most prompts, taken evenly from the categories.")] = None,
     category: Annotated[Optional[str], typer.Option(help="Only this category.")] = None,
     turns: Annotated[int, typer.Option(min=1, max=2, help="User turns of multi-turn data.")] = 1,
     raw: Annotated[bool, typer.Option("--raw", help="No chat template (HumanEval: raw completion).")] = False,
@@ -209,7 +211,7 @@ def bench_command(
 @bench_app.command("sweep")
 def sweep_command(
     dataset: Annotated[str, typer.Option()] = "mt_bench",
-    limit: Annotated[int, typer.Option(min=1, help="Prompts per category.")] = 2,
+    limit: Annotated[int, typer.Option(min=1, help="Most prompts, taken evenly from the categories.")] = 8,
     windows: Annotated[str, typer.Option(help="Comma list of W.")] = "1,3,5,8",
     ngrams: Annotated[str, typer.Option(help="Comma list of N.")] = "3,4,5",
     guesses: Annotated[str, typer.Option(help="Comma list of G.")] = "2,5",

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedModel
+from transformers import LogitsProcessor, PreTrainedModel
 
 from .config import LookaheadConfig
 from .core.decoder import LookaheadDecoder
 from .hf import HFModelRunner
+from .sampling import decoding_rule
 
 # Where extra tokens in a step are nearly free (GPUs), the paper's regime: a 5x3 window and 5 guesses.
 ACCELERATOR_CONFIG = LookaheadConfig()
@@ -69,8 +70,18 @@ def generate(
     eos_token_id: int | Iterable[int] | None = None,
     streamer=None,
     packed_linear: bool | None = None,
+    do_sample: bool = False,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    logits_processor: Sequence[LogitsProcessor] | None = None,
+    generator: torch.Generator | None = None,
 ) -> GenerateOutput:
-    """Greedy decoding with lookahead; the output equals `model.generate(do_sample=False)` token for token.
+    """Decoding with lookahead. Greedy (the default) gives `model.generate(do_sample=False)`'s output token
+    for token; sampling (`do_sample=True`) draws from the same distribution as `model.generate(do_sample=True)`
+    with the same options (docs/sampling.md). Unset sampling options come from the model's generation
+    config, as in `generate`; `temperature=0` means greedy; `generator` seeds the sampling.
 
     config: None picks `default_config(model)`, fitted to the device.
     input_ids: [1, n] or [n] token ids (batch size 1). eos_token_id: one id or several; None takes the
@@ -85,13 +96,14 @@ def generate(
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     runner = HFModelRunner(model, packed_linear=packed_linear)
     config = default_config(model) if config is None else config
+    rule = decoding_rule(model, do_sample, temperature, top_k, top_p, repetition_penalty, logits_processor, generator)
     stop_ids = _eos_ids(model, eos_token_id)
 
     start = time.perf_counter()
     stats = GenerationStats()
     if streamer is not None:
         streamer.put(prompt.view(1, -1))
-    decoder = LookaheadDecoder(config, prompt.tolist())
+    decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform)
     cache = runner.new_cache()
     if prompt.numel() > 1:
         runner.prefill(cache, prompt[:-1])
@@ -102,7 +114,7 @@ def generate(
         past = cache.get_seq_length()
         logits = runner.logits(cache, plan.tokens, past + plan.layout.offsets, plan.layout.allowed, plan.layout.logit_rows)
         stats.tokens_fed += plan.layout.size
-        result = decoder.update(plan, logits.argmax(dim=-1).cpu())
+        result = decoder.update(plan, logits)
         tokens = result.tokens[: max_new_tokens - len(generated)]
         finished = False
         for index, token in enumerate(tokens):

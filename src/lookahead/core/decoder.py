@@ -1,12 +1,13 @@
-"""Per-sequence lookahead state: plans each step's input and turns the model's predictions into tokens.
+"""Per-sequence lookahead state: plans each step's input and turns the model's outputs into tokens.
 
 Framework-free: the caller runs the model on `StepPlan.tokens` at `last_position + layout.offsets` with
-`layout.allowed` as attention, and hands back the argmax at `layout.logit_rows`.
+`layout.allowed` as attention, and hands back the logits at `layout.logit_rows`.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,11 @@ import torch
 from ..config import LookaheadConfig
 from .layout import GuessTree, StepLayout, build_guess_tree, step_layout
 from .pool import NGramPool
-from .verify import Verdict, verify_greedy
+from .verify import ROOT, ChooseRule, greedy_choice, verify_greedy, walk_tree
+
+# Scores a node's logits given the token ids before it ([1, L], [1, V] -> [1, V]), like a transformers
+# LogitsProcessor; None leaves the logits as they are.
+LogitsTransform = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 from .window import LookaheadWindow
 
 
@@ -22,7 +27,6 @@ from .window import LookaheadWindow
 class StepPlan:
     tokens: torch.Tensor  # [q] long, in layout row order
     layout: StepLayout
-    guesses: torch.Tensor  # [G, M] long
     tree: GuessTree
 
 
@@ -33,8 +37,19 @@ class StepResult:
 
 
 class LookaheadDecoder:
-    def __init__(self, config: LookaheadConfig, prompt: list[int]) -> None:
+    """choose: how a node's next token is picked (None: argmax); transform: applied to each node's logits
+    first, with the committed tokens before that node (None: none)."""
+
+    def __init__(
+        self,
+        config: LookaheadConfig,
+        prompt: list[int],
+        choose: ChooseRule | None = None,
+        transform: LogitsTransform | None = None,
+    ) -> None:
         self.config = config
+        self.choose = choose
+        self.transform = transform
         self.pool = NGramPool(config.ngram, config.guesses)
         if config.seed_from_prompt:
             self.pool.add_all(prompt)
@@ -44,27 +59,35 @@ class LookaheadDecoder:
 
     def plan(self, last_token: int) -> StepPlan:
         continuations = self.pool.continuations(last_token)[: self.config.guesses]
-        guess_len = self.config.ngram - 1
-        guesses = torch.tensor(continuations, dtype=torch.long).view(len(continuations), guess_len)
-        tree = build_guess_tree(continuations, guess_len)
+        tree = build_guess_tree(continuations, self.config.ngram - 1)
         layout = step_layout(len(self.window.levels), self.window.width, tree)
         tokens = torch.tensor([last_token] + self.window.tokens + tree.tokens)
-        return StepPlan(tokens, layout, guesses, tree)
+        return StepPlan(tokens, layout, tree)
 
-    def update(self, plan: StepPlan, predictions: torch.Tensor) -> StepResult:
-        """predictions: argmax at `plan.layout.logit_rows`, in that order."""
+    def update(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
+        """logits: [len(plan.layout.logit_rows), vocab], the model's outputs at those rows in order."""
         width = plan.layout.window_rows.numel()
-        values = predictions.tolist()
-        guess_predictions = predictions[1 + width :][plan.tree.paths]
-        verdict: Verdict = verify_greedy(values[0], plan.guesses, guess_predictions)
+        if self.choose is None and self.transform is None:
+            predictions = logits.argmax(dim=-1)
+            verdict = verify_greedy(plan.tree, int(predictions[0]), predictions[1 + width :])
+            window_outputs = predictions[1 : 1 + width].tolist()
+        else:
+            verdict = walk_tree(plan.tree, lambda node, accepted: self._scores(logits, width, node, accepted),
+                                self.choose or greedy_choice)
+            window_outputs = logits[1 : 1 + width].argmax(dim=-1).tolist()  # the window runs greedy Jacobi
         if width:
-            for ngram in self.window.advance(values[1 : 1 + width]):
+            for ngram in self.window.advance(window_outputs):
                 self.pool.add(ngram)
         self._learn_from_output(verdict.tokens)
-        kept = torch.zeros(1, dtype=torch.long)
-        if verdict.matched:
-            kept = torch.cat([kept, plan.layout.guess_rows[verdict.guess, : verdict.matched]])
+        kept = torch.tensor([0] + [plan.layout.tree_start + node for node in verdict.nodes], dtype=torch.long)
         return StepResult(verdict.tokens, kept)
+
+    def _scores(self, logits: torch.Tensor, width: int, node: int, accepted: list[int]) -> torch.Tensor:
+        row = logits[0 if node == ROOT else 1 + width + node]
+        if self.transform is None:
+            return row
+        context = torch.tensor(self.sequence + accepted, device=logits.device).view(1, -1)
+        return self.transform(context, row.view(1, -1))[0]
 
     def _learn_from_output(self, committed: list[int]) -> None:
         """Pool the n-grams that end in the newly committed tokens (repetitions within the output)."""

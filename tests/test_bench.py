@@ -1,0 +1,117 @@
+"""`lookahead bench` and its subcommands, run as a user runs them, on a tiny model and the default model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_cli import run
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lookahead.models import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama saved with the default model's tokenizer, so the CLI can load it by path."""
+    _, tokenizer = load_model()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id)
+    folder = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def check_results(folder, methods: set[str], prompts: int, turns: int = 1) -> dict:
+    for name in ("results.json", "report.md", "speedup.png", "tokens_per_step.png"):
+        assert (folder / name).stat().st_size > 0, name
+    results = json.loads((folder / "results.json").read_text())
+    runs = results["runs"]
+    assert {r["method"] for r in runs} == methods
+    assert len(runs) == len(methods) * prompts * turns
+    for r in runs:
+        assert r["new_tokens"] == pytest.approx(r["tokens_per_step"] * r["steps"])
+        assert r["steps"] >= 1 and r["seconds"] > 0
+        if r["method"] != "pld":  # ours and greedy itself: token-identical to greedy in fp32
+            assert r["identical"] is True and r["first_difference"] is None
+    for row in results["summary"]:
+        if row["method"] in ("greedy", "plain") or row["method"].startswith("lookahead"):
+            assert row["identical_rate"] == 1.0
+        if row["method"] == "greedy":
+            assert row["speedup_total"] == pytest.approx(1.0)
+            assert row["tokens_per_step"] == pytest.approx(1.0)
+        if row["method"] == "plain":
+            assert row["tokens_per_step"] == pytest.approx(1.0)
+    assert results["environment"]["dtype"] == "float32"
+    report = (folder / "report.md").read_text()
+    assert all(method in report for method in methods)
+    return results
+
+
+def test_bench_on_a_tiny_model(tiny_dir, tmp_path):
+    result = run("bench", "--model", tiny_dir, "--dataset", "mt_bench", "--limit", "2", "--max-new-tokens", "8",
+                 "--config", "2,3,2", "--config", "0,4,3", "--out", str(tmp_path), "--profile")
+    assert result.returncode == 0, result.stderr
+    results = check_results(tmp_path, {"greedy", "pld", "plain", "lookahead-W2N3G2", "lookahead-W0N4G3"}, 2)
+    assert {r["category"] for r in results["runs"]} == {"writing", "roleplay"}  # the limit spans categories
+    assert "profile lookahead-W2N3G2:" in result.stdout and "| lookahead-W0N4G3 | all |" in result.stdout
+
+
+def test_bench_two_turns_and_a_user_jsonl(tiny_dir, tmp_path):
+    result = run("bench", "--model", tiny_dir, "--dataset", "mt_bench", "--turns", "2", "--limit", "1",
+                 "--max-new-tokens", "6", "--baselines", "greedy", "--config", "3,3,3", "--out", str(tmp_path / "a"))
+    assert result.returncode == 0, result.stderr
+    results = check_results(tmp_path / "a", {"greedy", "lookahead-W3N3G3"}, 1, turns=2)
+    assert sorted({r["turn"] for r in results["runs"]}) == [0, 1]
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"prompt": "Say hi."}\n{"prompt": "Count to five.", "category": "count"}\n')
+    result = run("bench", "--model", tiny_dir, "--dataset", str(data), "--max-new-tokens", "6",
+                 "--baselines", "greedy,plain", "--out", str(tmp_path / "b"))
+    assert result.returncode == 0, result.stderr
+    results = check_results(tmp_path / "b", {"greedy", "plain", "lookahead-W0N4G5", "lookahead-W5N4G5"}, 2)
+    assert {r["category"] for r in results["runs"]} == {"mine", "count"}
+
+
+def test_bench_sweep_and_cost(tiny_dir, tmp_path):
+    result = run("bench", "sweep", "--model", tiny_dir, "--limit", "2", "--windows", "0,2", "--ngrams", "3",
+                 "--guesses", "1,3", "--max-new-tokens", "8", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert [(p["window"], p["guesses"]) for p in sweep["points"]] == [(0, 1), (0, 3), (2, 1), (2, 3)]
+    assert all(p["tokens_fed_per_step"] >= 1 and p["tokens_per_step"] >= 1 for p in sweep["points"])
+    assert set(sweep["fit"]) == {"intercept", "slope"} and (tmp_path / "sweep.png").stat().st_size > 0
+    assert "fit: tokens/step =" in result.stdout
+
+    result = run("bench", "cost", "--model", tiny_dir, "--max-k", "8", "--repeats", "1", "--context", "16",
+                 "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    cost = json.loads((tmp_path / "cost.json").read_text())
+    assert [p["tokens"] for p in cost["points"]] == [1, 2, 4, 8]
+    assert cost["points"][0]["relative"] == 1.0 and all(p["seconds"] > 0 for p in cost["points"])
+    assert (tmp_path / "cost.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dataset", "nope"], "dataset must be one of"),
+        (["--config", "1,2"], "expected W,N,G"),
+        (["--config", "1,1,1"], "ngram must be an integer >= 2"),
+        (["--baselines", "greedy,beam"], "unknown ['beam']"),
+        (["--dataset", "mt_bench", "--category", "poetry"], "'poetry' is not in mt_bench"),
+    ],
+)
+def test_bench_bad_options(args, message):
+    result = run("bench", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+@pytest.mark.slow
+def test_bench_on_the_default_model(tmp_path):
+    result = run("bench", "--dataset", "humaneval", "--limit", "2", "--max-new-tokens", "16", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    check_results(tmp_path, {"greedy", "pld", "plain", "lookahead-W0N4G5", "lookahead-W5N4G5"}, 2)

@@ -1,0 +1,191 @@
+"""Sampling with lookahead keeps the model's output distribution: statistical tests against plain
+`model.generate(do_sample=True)`, with a negative control that a wrong acceptance rule fails."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from conftest import reference_greedy
+from scipy.stats import chi2_contingency, chisquare
+from transformers import LlamaConfig, LlamaForCausalLM, MinLengthLogitsProcessor
+
+import lookahead.sampling
+from lookahead import LookaheadConfig, generate
+from lookahead.core.verify import sample_choice
+
+CONFIG = LookaheadConfig(window=3, ngram=3, guesses=4)
+
+
+def wrong_choice(scores, candidates, generator=None):
+    """A plausible but wrong rule: accept a candidate when it is the argmax, else sample."""
+    best = int(scores.argmax())
+    for token, node in candidates:
+        if token == best:
+            return token, node
+    return int(torch.multinomial(torch.softmax(scores.float(), -1), 1, generator=generator)), None
+
+
+def test_sample_choice_emits_exactly_the_distribution():
+    probs = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
+    candidates = [(1, 10), (3, 11), (0, 12)]
+    generator = torch.Generator().manual_seed(0)
+    draws = 20000
+
+    def frequencies(rule):
+        counts = Counter(rule(probs.log(), candidates, generator)[0] for _ in range(draws))
+        return [counts[token] for token in range(5)]
+
+    assert chisquare(frequencies(sample_choice), (probs * draws).tolist()).pvalue > 1e-3
+    assert chisquare(frequencies(wrong_choice), (probs * draws).tolist()).pvalue < 1e-6  # negative control
+
+
+def test_sample_choice_returns_the_node_of_an_accepted_candidate():
+    scores = torch.tensor([-1e9, 0.0, -1e9])  # all mass on token 1
+    assert sample_choice(scores, [(1, 7)]) == (1, 7)
+    token, node = sample_choice(scores, [(2, 8)])
+    assert (token, node) == (1, None)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    """Small vocabulary, peaked but not deterministic distributions: guesses often hit."""
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=10, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, 0.25)
+    return model.eval()
+
+
+PROMPT = torch.tensor([[2, 3, 4, 5, 2, 3, 4, 6, 2, 3, 7, 8, 9, 2, 3]])
+SAMPLES = 1500
+NEW_TOKENS = 3
+
+
+def reference_samples(model, **options) -> list[tuple[int, ...]]:
+    torch.manual_seed(123)
+    with torch.inference_mode():
+        out = model.generate(PROMPT.repeat(SAMPLES, 1), do_sample=True, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             pad_token_id=0, eos_token_id=None, **options)
+    return [tuple(row) for row in out[:, PROMPT.shape[1]:].tolist()]
+
+
+def lookahead_samples(model, **options) -> tuple[list[tuple[int, ...]], int]:
+    generator = torch.Generator().manual_seed(7)
+    samples, accepted = [], 0
+    for _ in range(SAMPLES):
+        out = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, config=CONFIG, eos_token_id=[], do_sample=True,
+                       generator=generator, **options)
+        samples.append(tuple(out.sequences[0, PROMPT.shape[1]:].tolist()))
+        accepted += out.stats.new_tokens - out.stats.steps
+    return samples, accepted
+
+
+def same_distribution_pvalue(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> float:
+    """Chi-square test of homogeneity on whole sequences (rare ones pooled into one bin)."""
+    counts_a, counts_b = Counter(a), Counter(b)
+    common = [key for key in set(counts_a) | set(counts_b) if counts_a[key] + counts_b[key] >= 10]
+    table = [[counts_a[k] for k in common], [counts_b[k] for k in common]]
+    rest = [len(a) - sum(table[0]), len(b) - sum(table[1])]
+    if sum(rest) >= 10:
+        table[0].append(rest[0])
+        table[1].append(rest[1])
+    return chi2_contingency(table).pvalue
+
+
+OPTION_SETS = [
+    {},
+    {"temperature": 0.7},
+    {"temperature": 1.3, "top_k": 4},
+    {"top_p": 0.8},
+    {"temperature": 0.9, "top_k": 6, "top_p": 0.9, "repetition_penalty": 1.4},
+]
+
+
+@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_sequence_distribution_matches_generate(small_vocab_model, options):
+    expected = reference_samples(small_vocab_model, **options)
+    samples, accepted = lookahead_samples(small_vocab_model, **options)
+    assert accepted > SAMPLES // 10  # the acceptance path really runs
+    assert same_distribution_pvalue(samples, expected) > 1e-3
+
+
+def test_user_logits_processor_sees_each_verified_prefix(small_vocab_model):
+    """MinLength bans EOS by the length of the sequence before each position: right only if every verified
+    node is scored with its own prefix. EOS is token 1 here; the ban lifts after the second new token."""
+    processor = [MinLengthLogitsProcessor(PROMPT.shape[1] + 2, eos_token_id=1)]
+    expected = reference_samples(small_vocab_model, logits_processor=processor)
+    samples, _ = lookahead_samples(small_vocab_model, logits_processor=processor)
+    assert all(1 not in s[:2] for s in samples)
+    assert same_distribution_pvalue(samples, expected) > 1e-3
+
+
+def test_negative_control_a_wrong_rule_fails_the_same_test(small_vocab_model, monkeypatch):
+    monkeypatch.setattr(lookahead.sampling, "sample_choice", wrong_choice)
+    expected = reference_samples(small_vocab_model)
+    samples, _ = lookahead_samples(small_vocab_model)
+    assert same_distribution_pvalue(samples, expected) < 1e-6
+
+
+def test_same_seed_same_output_and_temperature_zero_is_greedy(small_vocab_model):
+    def run(seed: int) -> list[int]:
+        out = generate(small_vocab_model, PROMPT, max_new_tokens=20, do_sample=True, config=CONFIG,
+                       generator=torch.Generator().manual_seed(seed))
+        return out.sequences[0].tolist()
+
+    assert run(5) == run(5)
+    assert len({tuple(run(seed)) for seed in range(6)}) > 1
+    greedy = reference_greedy(small_vocab_model, PROMPT, 20)
+    assert torch.equal(generate(small_vocab_model, PROMPT, max_new_tokens=20, do_sample=True, temperature=0).sequences, greedy)
+
+
+def test_greedy_with_repetition_penalty_equals_generate(small_vocab_model):
+    with torch.inference_mode():
+        expected = small_vocab_model.generate(PROMPT, do_sample=False, max_new_tokens=30, repetition_penalty=1.5,
+                                              pad_token_id=0)
+    out = generate(small_vocab_model, PROMPT, max_new_tokens=30, config=CONFIG, repetition_penalty=1.5)
+    assert torch.equal(out.sequences, expected)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"temperature": -0.5}, "temperature must be a number >= 0"),
+        ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\]"),
+        ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"top_k": 2.5}, "top_k must be an integer >= 0"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0"),
+        ({"do_sample": "yes"}, "do_sample must be a bool"),
+        ({"generator": 3}, "generator must be a torch.Generator"),
+    ],
+)
+def test_bad_sampling_options(small_vocab_model, options, message):
+    with pytest.raises(ValueError, match=message):
+        generate(small_vocab_model, PROMPT, **{"do_sample": True, **options})
+
+
+@pytest.mark.slow
+def test_first_tokens_distribution_on_the_default_model(default_model):
+    from lookahead.prompts import encode_prompt
+
+    model, tokenizer = default_model
+    prompt = encode_prompt(tokenizer, "Name a fruit.")
+    draws = 300
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        reference = model.generate(prompt.repeat(draws, 1), do_sample=True, max_new_tokens=2, top_k=20, temperature=1.0,
+                                   pad_token_id=tokenizer.eos_token_id)
+    expected = [tuple(row) for row in reference[:, prompt.shape[1]:].tolist()]
+    generator = torch.Generator().manual_seed(1)
+    samples = [
+        tuple(generate(model, prompt, max_new_tokens=2, do_sample=True, top_k=20, temperature=1.0,
+                       generator=generator).sequences[0, prompt.shape[1]:].tolist())
+        for _ in range(draws)
+    ]
+    assert same_distribution_pvalue(samples, expected) > 1e-3
