@@ -17,7 +17,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from lookahead.baseline import greedy_generate
+from lookahead.baseline import hf_generate
 
 TINY_VOCAB = 128
 _COMMON = dict(
@@ -87,4 +87,4 @@ def default_model():
 
 
 def reference_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
-    return greedy_generate(model, input_ids, max_new_tokens, eos_token_id=eos_token_id)[0]
+    return hf_generate(model, input_ids, max_new_tokens, eos_token_id=eos_token_id)[0]

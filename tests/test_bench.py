@@ -115,3 +115,16 @@ def test_bench_on_the_default_model(tmp_path):
     result = run("bench", "--dataset", "humaneval", "--limit", "2", "--max-new-tokens", "16", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     check_results(tmp_path, {"greedy", "pld", "plain", "lookahead-W0N4G5", "lookahead-W5N4G5"}, 2)
+
+
+def test_bench_with_sampling(tiny_dir, tmp_path):
+    result = run("bench", "--model", tiny_dir, "--dataset", "mt_bench", "--limit", "2", "--max-new-tokens", "8",
+                 "--sample", "--temperature", "0.8", "--top-k", "20", "--config", "2,3,2", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {r["method"] for r in results["runs"]} == {"sample", "pld", "plain", "lookahead-W2N3G2"}
+    assert all(r["identical"] is None for r in results["runs"])  # samples are not compared token for token
+    assert all(r["new_tokens"] == pytest.approx(r["tokens_per_step"] * r["steps"]) for r in results["runs"])
+    sample_row = next(r for r in results["summary"] if r["method"] == "sample" and r["category"] == "all")
+    assert sample_row["speedup_total"] == pytest.approx(1.0)
+    assert "temperature=0.8" in results["environment"]["sampling"]

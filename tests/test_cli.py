@@ -58,3 +58,30 @@ def test_bad_options_exit_with_a_clear_message(args, message):
     result = run("generate", "hello", *args)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+@pytest.mark.slow
+def test_generate_sampling_is_reproducible_with_a_seed():
+    args = ["generate", "Name three colors.", "--temperature", "0.9", "--top-k", "30", "--top-p", "0.95",
+            "--max-new-tokens", "24", "--json"]
+    first, again = run(*args, "--seed", "4"), run(*args, "--seed", "4")
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["text"] == json.loads(again.stdout)["text"]
+    compared = run(*args, "--seed", "4", "--compare")
+    report = json.loads(compared.stdout)
+    assert report["identical"] is None and report["baseline_seconds"] > 0  # samples are not compared token-wise
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--temperature", "-1"], "must be a number >= 0"),
+        (["--top-p", "1.5"], "must be a number in (0, 1]"),
+        (["--top-k", "-2"], "must be an integer >= 0"),
+        (["--repetition-penalty", "0"], "must be a number > 0"),
+    ],
+)
+def test_bad_sampling_options_exit_with_a_clear_message(args, message):
+    result = run("generate", "hello", *args)
+    assert result.returncode == 2
+    assert message in result.stderr

@@ -1,4 +1,4 @@
-"""The baseline a user has today: transformers' own greedy `generate`, timed."""
+"""The baseline a user has today: transformers' own `generate`, timed."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import torch
 from transformers import PreTrainedModel
 
 
-def greedy_generate(
+def hf_generate(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
     max_new_tokens: int,
     eos_token_id: int | Iterable[int] | None = None,
+    do_sample: bool = False,
     **generate_kwargs,
 ) -> tuple[torch.Tensor, float]:
-    """Plain `model.generate(do_sample=False)` on a [1, n] prompt; returns (sequences, seconds)."""
+    """Plain `model.generate` (greedy unless `do_sample`) on a [1, n] prompt; returns (sequences, seconds)."""
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
     elif not isinstance(eos_token_id, int):
@@ -29,7 +30,7 @@ def greedy_generate(
         sequences = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
-            do_sample=False,
+            do_sample=do_sample,
             max_new_tokens=max_new_tokens,
             eos_token_id=eos_token_id,
             pad_token_id=pad,

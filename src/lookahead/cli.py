@@ -15,7 +15,7 @@ from rich.progress import Progress, TextColumn
 from transformers import TextStreamer
 from transformers.utils import logging as hf_logging
 
-from .baseline import greedy_generate
+from .baseline import hf_generate
 from .bench.cost import forward_cost, sweep
 from .bench.report import fit_log_line, summary_table, write_benchmark, write_cost, write_sweep
 from .bench.runner import environment, run_benchmark, standard_methods, summarize
@@ -32,6 +32,31 @@ ModelOption = Annotated[
 ]
 GgufOption = Annotated[Optional[str], typer.Option("--gguf-file", help="GGUF file name inside --model's folder.")]
 DtypeOption = Annotated[str, typer.Option("--dtype", help=f"One of {', '.join(DTYPES)}.")]
+
+
+TopKOption = Annotated[Optional[int], typer.Option(help="Sampling: keep the k likeliest tokens (0: all).")]
+TopPOption = Annotated[Optional[float], typer.Option(help="Sampling: nucleus mass in (0, 1].")]
+SeedOption = Annotated[int, typer.Option(help="Seed for sampling.")]
+
+
+def _sampling_options(
+    temperature: float, top_k: int | None, top_p: float | None, repetition_penalty: float | None = None
+) -> dict:
+    """generate() options; checked here so that a bad value is reported before the model loads."""
+    options = {"do_sample": temperature > 0, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+    if repetition_penalty is not None:
+        options["repetition_penalty"] = repetition_penalty
+    for name, value, valid, allowed in [
+        ("--temperature", temperature, temperature >= 0, "a number >= 0 (0 means greedy)"),
+        ("--top-k", top_k, top_k is None or top_k >= 0, "an integer >= 0"),
+        ("--top-p", top_p, top_p is None or 0 < top_p <= 1, "a number in (0, 1]"),
+        ("--repetition-penalty", repetition_penalty, repetition_penalty is None or repetition_penalty > 0, "a number > 0"),
+    ]:
+        if not valid:
+            raise typer.BadParameter(f"must be {allowed}, got {value!r}", param_hint=name)
+    if not options["do_sample"]:  # greedy: plain generate takes no sampling options
+        del options["temperature"], options["top_k"], options["top_p"]
+    return options
 
 
 def _config(window: int | None, ngram: int | None, guesses: int | None) -> LookaheadConfig | None:
@@ -56,8 +81,13 @@ def generate_command(
     ngram: Annotated[Optional[int], typer.Option(help="N: n-gram size (>= 2).")] = None,
     guesses: Annotated[Optional[int], typer.Option(help="G: n-grams verified per step (0: off).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
-    compare: Annotated[bool, typer.Option("--compare", help="Also run plain greedy model.generate and compare.")] = False,
+    compare: Annotated[bool, typer.Option("--compare", help="Also run plain model.generate and compare.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
+    temperature: Annotated[float, typer.Option(help="0: greedy (exact); > 0: sampling.")] = 0.0,
+    top_k: TopKOption = None,
+    top_p: TopPOption = None,
+    repetition_penalty: Annotated[Optional[float], typer.Option(help="> 0; 1 is none.")] = None,
+    seed: SeedOption = 0,
 ) -> None:
     """Generate text with lookahead decoding, streaming it to the terminal.
 
@@ -69,22 +99,32 @@ def generate_command(
         raise typer.BadParameter(f"must be one of {sorted(DTYPES)}, got {dtype!r}", param_hint="--dtype")
     if not prompt:
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
+    sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty)
     lm, tokenizer = load_model(model, gguf_file=gguf_file, dtype=dtype)
     input_ids = encode_prompt(tokenizer, prompt, raw=raw)
+
+    def ours(tokens: int, streamer=None):
+        generator = torch.Generator().manual_seed(seed)
+        return generate(lm, input_ids, max_new_tokens=tokens, config=config, streamer=streamer, generator=generator, **sampling)
+
+    def theirs(tokens: int):
+        torch.manual_seed(seed)
+        return hf_generate(lm, input_ids, max_new_tokens=tokens, **sampling)
+
     if compare:  # warm both paths up so that neither pays one-off costs in the timed run
-        generate(lm, input_ids, max_new_tokens=2, config=config)
-        greedy_generate(lm, input_ids, max_new_tokens=2)
-    streamer = None if as_json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    out = generate(lm, input_ids, max_new_tokens=max_new_tokens, config=config, streamer=streamer)
+        ours(2)
+        theirs(2)
+    out = ours(max_new_tokens, None if as_json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
     new_ids = out.sequences[0, input_ids.shape[1] :]
     stats = out.stats
     report: dict[str, object] = {"text": tokenizer.decode(new_ids, skip_special_tokens=True), **stats.as_dict()}
     if compare:
-        baseline, baseline_seconds = greedy_generate(lm, input_ids, max_new_tokens=max_new_tokens)
+        baseline, baseline_seconds = theirs(max_new_tokens)
         report.update(
             baseline_seconds=baseline_seconds,
             speedup=baseline_seconds / stats.seconds,
-            identical=torch.equal(baseline.cpu(), out.sequences),
+            # two samples are not comparable token for token; greedy outputs must be identical
+            identical=None if sampling.get("do_sample") else torch.equal(baseline.cpu(), out.sequences),
         )
     if as_json:
         print(json.dumps(report))
@@ -95,7 +135,7 @@ def generate_command(
     )
     if compare:
         summary += (
-            f"; greedy generate {report['baseline_seconds']:.2f}s vs lookahead {stats.seconds:.2f}s, "
+            f"; model.generate {report['baseline_seconds']:.2f}s vs lookahead {stats.seconds:.2f}s, "
             f"speedup {report['speedup']:.2f}x, identical: {report['identical']}"
         )
     print(summary + "]")
@@ -169,6 +209,11 @@ def bench_command(
     threads: ThreadsOption = None,
     out: OutOption = None,
     profile: Annotated[bool, typer.Option("--profile", help="Print where each method's time goes.")] = False,
+    sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding, in every method.")] = False,
+    temperature: Annotated[float, typer.Option(help="With --sample.")] = 1.0,
+    top_k: TopKOption = None,
+    top_p: TopPOption = None,
+    seed: SeedOption = 0,
 ) -> None:
     """Run greedy generate, prompt lookup, our plain loop and lookahead side by side on a workload."""
     if ctx.invoked_subcommand is not None:
@@ -179,10 +224,17 @@ def bench_command(
     if unknown:
         raise typer.BadParameter(f"unknown {sorted(unknown)}; allowed: greedy, pld, plain", param_hint="--baselines")
     prompts = _workload(dataset, turns, raw, category, limit)
+    sampling = None
+    if sample:
+        if temperature <= 0:
+            raise typer.BadParameter(f"must be > 0 with --sample, got {temperature!r}", param_hint="--temperature")
+        sampling = _sampling_options(temperature, top_k, top_p)
+        del sampling["do_sample"]
+        sampling["seed"] = seed
     lm, tokenizer = _load_for_bench(model, gguf_file, dtype, threads)
     if configs is None:  # the device's default, and the paper's regime beside it
         configs = list(dict.fromkeys([default_config(lm), ACCELERATOR_CONFIG]))
-    methods = standard_methods(configs, names)
+    methods = standard_methods(configs, names, sampling=sample)
     console = Console(stderr=True)
     total = len(methods) * sum(len(p.turns) for p in prompts)
     with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as progress:
@@ -190,9 +242,12 @@ def bench_command(
         runs = run_benchmark(
             lm, tokenizer, prompts, methods, max_new_tokens,
             on_run=lambda r: progress.update(task, advance=1, last=f"{r.method} {r.tokens_per_step:.2f} tok/step"),
+            sampling=sampling,
         )
-    rows = summarize(runs)
+    rows = summarize(runs, baseline="sample" if sample else "greedy")
     env = environment(lm)
+    if sampling is not None:
+        env["sampling"] = ", ".join(f"{k}={v}" for k, v in sampling.items())
     print(summary_table(rows))
     print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
     if profile:

@@ -13,7 +13,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..baseline import greedy_generate
+from ..baseline import hf_generate
 from ..config import LookaheadConfig
 from ..generation import generate
 from ..prompts import encode_messages, encode_prompt, has_chat_template
@@ -24,13 +24,18 @@ PLD_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 
 @dataclass(frozen=True)
 class Method:
-    name: str  # "greedy", "pld", "plain" or "lookahead-W{w}N{n}G{g}"
+    name: str  # shown in the report: "greedy" (or "sample"), "pld", "plain", "lookahead-W{w}N{n}G{g}"
+    kind: str  # "generate" (transformers), "pld" (transformers' prompt lookup), "plain" or "lookahead" (ours)
     config: LookaheadConfig | None = None
 
 
-def standard_methods(configs: Iterable[LookaheadConfig], baselines: Iterable[str] = ("greedy", "pld", "plain")) -> list[Method]:
-    methods = [Method(name) for name in baselines]
-    methods += [Method(f"lookahead-W{c.window}N{c.ngram}G{c.guesses}", c) for c in configs]
+def standard_methods(
+    configs: Iterable[LookaheadConfig], baselines: Iterable[str] = ("greedy", "pld", "plain"), sampling: bool = False
+) -> list[Method]:
+    """`baselines` from "greedy" (transformers' generate; shown as "sample" when sampling), "pld", "plain"."""
+    kinds = {"greedy": "generate", "pld": "pld", "plain": "plain"}
+    methods = [Method("sample" if sampling and b == "greedy" else b, kinds[b]) for b in baselines]
+    methods += [Method(f"lookahead-W{c.window}N{c.ngram}G{c.guesses}", "lookahead", c) for c in configs]
     return methods
 
 
@@ -45,7 +50,7 @@ class Run:
     seconds: float
     forward_seconds: float | None
     tokens_fed: int | None
-    identical: bool | None  # same tokens as greedy (None when greedy did not run)
+    identical: bool | None  # same tokens as transformers' generate (None when it did not run, or sampling)
     first_difference: int | None  # first differing new-token position, if not identical
 
     @property
@@ -68,21 +73,28 @@ class _ForwardCounter:
 
 
 def run_method(
-    model: PreTrainedModel, method: Method, input_ids: torch.Tensor, max_new_tokens: int
+    model: PreTrainedModel, method: Method, input_ids: torch.Tensor, max_new_tokens: int, sampling: dict | None = None
 ) -> tuple[list[int], int, float, float | None, int | None]:
-    """(new tokens, steps, seconds, forward seconds, tokens fed) of one method on one prompt."""
+    """(new tokens, steps, seconds, forward seconds, tokens fed) of one method on one prompt.
+    sampling: None for greedy, else do_sample options (temperature, top_k, top_p, seed)."""
     prompt_len = input_ids.shape[1]
-    if method.config is not None or method.name == "plain":
+    options = dict(sampling or {})
+    seed = options.pop("seed", 0)
+    if method.kind in ("plain", "lookahead"):
         config = method.config or LookaheadConfig(window=0, guesses=0)
-        out = generate(model, input_ids, max_new_tokens=max_new_tokens, config=config)
+        if sampling is not None:
+            options.update(do_sample=True, generator=torch.Generator().manual_seed(seed))
+        out = generate(model, input_ids, max_new_tokens=max_new_tokens, config=config, **options)
         s = out.stats
         return out.sequences[0, prompt_len:].tolist(), s.steps, s.seconds, s.forward_seconds, s.tokens_fed
-    extra = {"prompt_lookup_num_tokens": PLD_TOKENS} if method.name == "pld" else {}
-    if method.name not in ("greedy", "pld"):
-        raise ValueError(f"unknown method {method.name!r}")
+    if method.kind == "pld":
+        options["prompt_lookup_num_tokens"] = PLD_TOKENS
+    if sampling is not None:
+        torch.manual_seed(seed)
+        options["do_sample"] = True
     counter = _ForwardCounter(model)
     try:
-        sequences, seconds = greedy_generate(model, input_ids, max_new_tokens, **extra)
+        sequences, seconds = hf_generate(model, input_ids, max_new_tokens, **options)
     finally:
         counter.close()
     return sequences[0, prompt_len:].tolist(), counter.calls, seconds, None, None
@@ -102,13 +114,15 @@ def run_benchmark(
     methods: list[Method],
     max_new_tokens: int,
     on_run: Callable[[Run], None] | None = None,
+    sampling: dict | None = None,
 ) -> list[Run]:
-    """Run every method on every prompt (and turn), back to back with the order rotated per prompt."""
+    """Run every method on every prompt (and turn), back to back with the order rotated per prompt.
+    The conversation of a second turn continues with transformers' answer (or the first method's)."""
     runs: list[Run] = []
     if prompts:  # warm-up: one short run per method, untimed
         warm = encode_prompt(tokenizer, prompts[0].turns[0], raw=prompts[0].raw)
         for method in methods:
-            run_method(model, method, warm, 4)
+            run_method(model, method, warm, 4, sampling)
     for index, prompt in enumerate(prompts):
         shift = index % len(methods)
         order = methods[shift:] + methods[:shift]
@@ -120,16 +134,16 @@ def run_benchmark(
                 input_ids = encode_messages(tokenizer, history)
             else:
                 input_ids = encode_prompt(tokenizer, text, raw=True)
-            outputs: dict[str, tuple] = {}
-            for method in order:
-                outputs[method.name] = run_method(model, method, input_ids, max_new_tokens)
-            reference = outputs.get("greedy", outputs[methods[0].name])[0]
+            outputs = {method: run_method(model, method, input_ids, max_new_tokens, sampling) for method in order}
+            baseline = next((m for m in methods if m.kind == "generate"), None)
+            compare = baseline is not None and sampling is None
+            reference = outputs[baseline or methods[0]][0]
             for method in methods:
-                tokens, steps, seconds, forward_seconds, tokens_fed = outputs[method.name]
-                difference = _first_difference(tokens, reference) if "greedy" in outputs else None
+                tokens, steps, seconds, forward_seconds, tokens_fed = outputs[method]
+                difference = _first_difference(tokens, reference) if compare else None
                 run = Run(
                     prompt.id, prompt.category, turn, method.name, len(tokens), steps, seconds, forward_seconds,
-                    tokens_fed, None if "greedy" not in outputs else difference is None, difference,
+                    tokens_fed, difference is None if compare else None, difference,
                 )
                 runs.append(run)
                 if on_run is not None:
@@ -149,7 +163,7 @@ class Summary:
     seconds: float
     tokens_per_step: float
     tokens_per_second: float
-    speedup_total: float | None  # greedy's total time / this method's total time
+    speedup_total: float | None  # transformers' generate's total time / this method's total time
     speedup_geomean: float | None  # geometric mean of per-run ratios
     speedup_vs_plain: float | None  # against our own loop with lookahead off
     identical_rate: float | None
@@ -168,12 +182,13 @@ def _ratio_stats(mine: list[Run], baseline: dict[tuple, Run]) -> tuple[float | N
     return total, geomean
 
 
-def summarize(runs: list[Run]) -> list[Summary]:
-    """Per method: one row per category and one overall ("all")."""
+def summarize(runs: list[Run], baseline: str = "greedy") -> list[Summary]:
+    """Per method: one row per category and one overall ("all"). `baseline`: the method speedups are
+    against ("greedy", or "sample" when sampling)."""
     methods = list(dict.fromkeys(r.method for r in runs))
     categories = list(dict.fromkeys(r.category for r in runs))
     by_key = lambda name: {(r.prompt_id, r.turn): r for r in runs if r.method == name}  # noqa: E731
-    greedy, plain = by_key("greedy"), by_key("plain")
+    greedy, plain = by_key(baseline), by_key("plain")
     rows = []
     for method in methods:
         for category in categories + ["all"]:
