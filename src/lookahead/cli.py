@@ -259,7 +259,7 @@ def bench_command(
                 f"outside the model {100 * r.overhead_fraction:.1f}%"
             )
     if out is not None:
-        for path in write_benchmark(out, runs, rows, env, "lookahead bench " + " ".join(sys.argv[3:])):
+        for path in write_benchmark(out, runs, rows, env, "lookahead bench " + " ".join(sys.argv[2:])):
             print(f"wrote {path}")
 
 
