@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from itertools import zip_longest
+from itertools import product, zip_longest
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -279,10 +279,8 @@ def sweep_command(
 ) -> None:
     """Grid over (W, N, G): tokens/step against tokens fed per step, with a fitted log line."""
     grid = [_int_list(windows, "--windows"), _int_list(ngrams, "--ngrams"), _int_list(guesses, "--guesses")]
-    for w in grid[0]:
-        for n in grid[1]:
-            for g in grid[2]:
-                _parse_config(f"{w},{n},{g}")
+    for w, n, g in product(*grid):  # every point valid before the model loads
+        _parse_config(f"{w},{n},{g}")
     prompts = _workload(dataset, 1, False, None, limit)
     lm, tokenizer = _load_for_bench(model, gguf_file, dtype, threads)
     inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw) for p in prompts]
@@ -303,6 +301,7 @@ def cost_command(
     context: Annotated[int, typer.Option(min=1, help="Cached tokens before the step.")] = 256,
     max_k: Annotated[int, typer.Option(min=1, help="Largest k (powers of two up to it).")] = 128,
     repeats: Annotated[int, typer.Option(min=1)] = 5,
+    packed_linear: Annotated[bool, typer.Option(help="Prepacked oneDNN linears where supported (CPU), as generate uses by default.")] = True,
     model: ModelOption = None,
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
@@ -312,7 +311,7 @@ def cost_command(
     """The model's forward cost T(k) for k new tokens per step over a cached context."""
     lm, _ = _load_for_bench(model, gguf_file, dtype, threads)
     sizes = tuple(sorted({1, *(2**i for i in range(max_k.bit_length()) if 2**i <= max_k), max_k}))
-    points = forward_cost(lm, context=context, sizes=sizes, repeats=repeats)
+    points = forward_cost(lm, context=context, sizes=sizes, repeats=repeats, packed_linear=None if packed_linear else False)
     print("| k | ms | T(k)/T(1) |\n|---|---|---|")
     for p in points:
         print(f"| {p.tokens} | {1000 * p.seconds:.1f} | {p.relative:.2f} |")

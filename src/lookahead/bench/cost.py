@@ -23,11 +23,15 @@ class CostPoint:
 
 
 def forward_cost(
-    model: PreTrainedModel, context: int = 256, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 5
+    model: PreTrainedModel,
+    context: int = 256,
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128),
+    repeats: int = 5,
+    packed_linear: bool | None = None,
 ) -> list[CostPoint]:
     """Median time of one forward of k tokens (causal among themselves, logits for all k) on top of a
     `context`-token cache, through the same path lookahead steps take."""
-    runner = HFModelRunner(model)
+    runner = HFModelRunner(model, packed_linear=packed_linear)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(0)
     cache = runner.new_cache()

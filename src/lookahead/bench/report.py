@@ -69,10 +69,7 @@ def _bars(path: Path, rows: list[Summary], field: str, label: str) -> Path:
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_ylabel(label)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 def write_cost(out: Path, points: list[CostPoint], env: dict) -> list[Path]:
@@ -83,11 +80,7 @@ def write_cost(out: Path, points: list[CostPoint], env: dict) -> list[Path]:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("new tokens per forward (k)")
     ax.set_ylabel("T(k) / T(1)")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "cost.png", dpi=110)
-    plt.close(fig)
-    return [out / "cost.json", out / "cost.png"]
+    return [out / "cost.json", _save(fig, ax, out / "cost.png")]
 
 
 def fit_log_line(points: list[SweepPoint]) -> tuple[float, float]:
@@ -116,8 +109,12 @@ def write_sweep(out: Path, points: list[SweepPoint], env: dict) -> list[Path]:
     ax.set_xscale("log")
     ax.set_xlabel("tokens fed per step (log scale, ~ FLOPs per step)")
     ax.set_ylabel("tokens per step")
+    return [out / "sweep.json", _save(fig, ax, out / "sweep.png")]
+
+
+def _save(fig, ax, path: Path) -> Path:
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "sweep.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return [out / "sweep.json", out / "sweep.png"]
+    return path
