@@ -101,12 +101,12 @@ def generate(
 
     start = time.perf_counter()
     stats = GenerationStats()
-    if streamer is not None:
-        streamer.put(prompt.view(1, -1))
     decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform)
     cache = runner.new_cache()
     if prompt.numel() > 1:
         runner.prefill(cache, prompt[:-1])
+    if streamer is not None:
+        streamer.put(prompt.view(1, -1))
     generated: list[int] = []
     last = int(prompt[-1])
     while len(generated) < max_new_tokens:
@@ -161,5 +161,4 @@ def _eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None) -
         return set()
     if isinstance(eos_token_id, int):
         return {eos_token_id}
-    ids = set(torch.as_tensor(list(eos_token_id)).tolist())
-    return ids
+    return set(torch.as_tensor(list(eos_token_id)).tolist())
