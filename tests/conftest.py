@@ -61,11 +61,15 @@ def make_tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     """A small random model whose greedy output is varied enough to test with: larger init weights
     give peaked, input-dependent distributions instead of near-uniform ones."""
     torch.manual_seed(seed)
-    model = _tiny(family)
+    return peaked(_tiny(family), 0.15)
+
+
+def peaked(model: torch.nn.Module, std: float) -> torch.nn.Module:
+    """Re-draw the weight matrices with a larger spread, in eval mode."""
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() >= 2:
-                parameter.normal_(0.0, 0.15)
+                parameter.normal_(0.0, std)
     return model.eval()
 
 

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import reference_greedy
+from conftest import peaked, reference_greedy
 from scipy.stats import chi2_contingency, chisquare
 from transformers import LlamaConfig, LlamaForCausalLM, MinLengthLogitsProcessor
 
@@ -54,12 +54,7 @@ def small_vocab_model():
     torch.manual_seed(1)
     config = LlamaConfig(vocab_size=10, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, bos_token_id=0, eos_token_id=1, pad_token_id=0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() >= 2:
-                parameter.normal_(0.0, 0.25)
-    return model.eval()
+    return peaked(LlamaForCausalLM(config), 0.25)
 
 
 PROMPT = torch.tensor([[2, 3, 4, 5, 2, 3, 4, 6, 2, 3, 7, 8, 9, 2, 3]])
