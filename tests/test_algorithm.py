@@ -55,7 +55,7 @@ def test_layout_matches_plain_reference(levels, width, guesses):
     offsets, allowed, paths = slow_layout(levels, width, guesses)
     assert layout.offsets.tolist() == offsets
     assert layout.allowed.tolist() == allowed
-    assert layout.guess_rows.tolist() == paths
+    assert (tree.paths + layout.tree_start).tolist() == paths
     assert layout.size == 1 + levels * width + len({g[: t + 1] for g in guesses for t in range(guess_len)})
     newest = list(range(1 + (levels - 1) * width, 1 + levels * width)) if levels else []
     assert layout.window_rows.tolist() == newest

@@ -74,12 +74,13 @@ def test_commit_leaves_exactly_the_committed_tokens_in_the_cache(llama_tiny):
     prompt = random_prompt(20, 7)[0]
     cache = runner.new_cache()
     runner.prefill(cache, prompt[:-1])
-    layout = step_layout(2, 3, build_guess_tree([(9, 8, 7), (9, 6, 5)], 3))
+    tree = build_guess_tree([(9, 8, 7), (9, 6, 5)], 3)
+    layout = step_layout(2, 3, tree)
     tokens = torch.randint(3, 128, (layout.size,), generator=torch.Generator().manual_seed(8))
     tokens[0] = prompt[-1]
     past = cache.get_seq_length()
     runner.logits(cache, tokens, past + layout.offsets, layout.allowed, layout.logit_rows)
-    kept = torch.cat([torch.zeros(1, dtype=torch.long), layout.guess_rows[1, :2]])
+    kept = torch.cat([torch.zeros(1, dtype=torch.long), tree.paths[1, :2] + layout.tree_start])
     runner.commit(cache, past, kept)
     committed = torch.cat([prompt[:-1], tokens[kept]])
     fresh = runner.new_cache()

@@ -25,8 +25,7 @@ class StepLayout:
     offsets: torch.Tensor  # [q] long: position of each row minus the last token's position
     allowed: torch.Tensor  # [q, q] bool: row may attend column
     window_rows: torch.Tensor  # [W] long: rows of the newest window level
-    guess_rows: torch.Tensor  # [G, M] long: row of each guess's t-th token (shared by equal prefixes)
-    tree_start: int  # row of the first tree node
+    tree_start: int  # row of the first tree node: node n sits at row tree_start + n
     logit_rows: torch.Tensor  # rows whose next-token predictions the step needs: 0, window_rows, tree nodes
 
     @property
@@ -104,4 +103,4 @@ def step_layout(levels: int, width: int, tree: GuessTree) -> StepLayout:
     window_rows = torch.arange(1 + (levels - 1) * width, 1 + n_window) if n_window else torch.zeros(0, dtype=torch.long)
     tree_rows = torch.arange(1 + n_window, size)
     logit_rows = torch.cat([torch.zeros(1, dtype=torch.long), window_rows, tree_rows])
-    return StepLayout(offsets, allowed, window_rows, tree.paths + 1 + n_window, 1 + n_window, logit_rows)
+    return StepLayout(offsets, allowed, window_rows, 1 + n_window, logit_rows)
