@@ -94,13 +94,10 @@ def generate_command(
     Without --window/--ngram/--guesses the config fitted to the model's device is used; any of them given
     overrides LookaheadConfig's defaults (W=5, N=4, G=5)."""
     config = _config(window, ngram, guesses)
-    hf_logging.disable_progress_bar()
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"must be one of {sorted(DTYPES)}, got {dtype!r}", param_hint="--dtype")
     if not prompt:
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty)
-    lm, tokenizer = load_model(model, gguf_file=gguf_file, dtype=dtype)
+    lm, tokenizer = _load_model(model, gguf_file, dtype, None)
     input_ids = encode_prompt(tokenizer, prompt, raw=raw)
 
     def ours(tokens: int, streamer=None):
@@ -164,7 +161,7 @@ def _parse_config(text: str) -> LookaheadConfig:
         raise typer.BadParameter(str(error), param_hint="--config") from error
 
 
-def _load_for_bench(model: str | None, gguf_file: str | None, dtype: str, threads: int | None):
+def _load_model(model: str | None, gguf_file: str | None, dtype: str, threads: int | None):
     if dtype not in DTYPES:
         raise typer.BadParameter(f"must be one of {sorted(DTYPES)}, got {dtype!r}", param_hint="--dtype")
     if threads is not None:
@@ -231,7 +228,7 @@ def bench_command(
         sampling = _sampling_options(temperature, top_k, top_p)
         del sampling["do_sample"]
         sampling["seed"] = seed
-    lm, tokenizer = _load_for_bench(model, gguf_file, dtype, threads)
+    lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     if configs is None:  # the device's default, and the paper's regime beside it
         configs = list(dict.fromkeys([default_config(lm), ACCELERATOR_CONFIG]))
     methods = standard_methods(configs, names, sampling=sample)
@@ -282,7 +279,7 @@ def sweep_command(
     for w, n, g in product(*grid):  # every point valid before the model loads
         _parse_config(f"{w},{n},{g}")
     prompts = _workload(dataset, 1, False, None, limit)
-    lm, tokenizer = _load_for_bench(model, gguf_file, dtype, threads)
+    lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw) for p in prompts]
     points = sweep(lm, inputs, *grid, max_new_tokens)
     print("| W | N | G | tokens fed/step | tokens/step | seconds |\n|---|---|---|---|---|---|")
@@ -309,7 +306,7 @@ def cost_command(
     out: OutOption = None,
 ) -> None:
     """The model's forward cost T(k) for k new tokens per step over a cached context."""
-    lm, _ = _load_for_bench(model, gguf_file, dtype, threads)
+    lm, _ = _load_model(model, gguf_file, dtype, threads)
     sizes = tuple(sorted({1, *(2**i for i in range(max_k.bit_length()) if 2**i <= max_k), max_k}))
     points = forward_cost(lm, context=context, sizes=sizes, repeats=repeats, packed_linear=None if packed_linear else False)
     print("| k | ms | T(k)/T(1) |\n|---|---|---|")
