@@ -69,9 +69,10 @@ def test_step_predictions_equal_plain_forward(tiny_model):
         torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
 
 
-def test_commit_leaves_exactly_the_committed_tokens_in_the_cache(llama_tiny):
+@pytest.mark.parametrize("prompt_length", [20, 250], ids=["in-capacity", "cache-grows-during-step"])
+def test_commit_leaves_exactly_the_committed_tokens_in_the_cache(llama_tiny, prompt_length):
     runner = HFModelRunner(llama_tiny)
-    prompt = random_prompt(20, 7)[0]
+    prompt = random_prompt(prompt_length, 7)[0]
     cache = runner.new_cache()
     runner.prefill(cache, prompt[:-1])
     tree = build_guess_tree([(9, 8, 7), (9, 6, 5)], 3)

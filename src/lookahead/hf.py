@@ -21,6 +21,42 @@ class UnsupportedModelError(ValueError):
     """The model cannot run lookahead steps (no custom masks, or a cache we cannot commit)."""
 
 
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` that appends into spare capacity instead of concatenating.
+
+    `DynamicLayer.update` copies the whole layer cache on every step (`torch.cat`); here `keys`/`values`
+    are views of the first `length` positions of larger buffers, which double when full, so a step
+    writes only its own rows. Rolling back is re-slicing the view.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.keys = key_states[..., :0, :]
+        self.values = value_states[..., :0, :]
+        self._key_buffer = self._value_buffer = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        if self._key_buffer is None or end > self._key_buffer.shape[-2]:
+            self._key_buffer = self._grown(self._key_buffer, self.keys, key_states, end)
+            self._value_buffer = self._grown(self._value_buffer, self.values, value_states, end)
+        self._key_buffer[..., start:end, :] = key_states
+        self._value_buffer[..., start:end, :] = value_states
+        self.keys = self._key_buffer[..., :end, :]
+        self.values = self._value_buffer[..., :end, :]
+        return self.keys, self.values
+
+    @staticmethod
+    def _grown(buffer: torch.Tensor | None, kept: torch.Tensor, new: torch.Tensor, needed: int) -> torch.Tensor:
+        capacity = max(needed, 2 * (0 if buffer is None else buffer.shape[-2]), 256)
+        grown = new.new_empty((*new.shape[:-2], capacity, new.shape[-1]))
+        grown[..., : kept.shape[-2], :] = kept
+        return grown
+
+
 class PackedLinears:
     """oneDNN-prepacked copies of a CPU model's `nn.Linear` weights, swapped in for our forward passes only.
 
@@ -116,8 +152,10 @@ class HFModelRunner:
         return out
 
     def new_cache(self) -> DynamicCache:
-        # No config: every layer is a full `DynamicLayer`, which can drop arbitrary entries.
-        return DynamicCache()
+        # No config: every layer is a full-length `GrowingLayer`, which can drop arbitrary entries.
+        cache = DynamicCache()
+        cache.layer_class_to_replicate = GrowingLayer
+        return cache
 
     @torch.inference_mode()
     def prefill(self, cache: DynamicCache, tokens: torch.Tensor) -> None:
@@ -192,8 +230,8 @@ class HFModelRunner:
     @staticmethod
     def _check_cache(cache: DynamicCache) -> None:
         for layer in cache.layers:
-            if type(layer) is not DynamicLayer:
+            if type(layer) is not GrowingLayer:
                 raise UnsupportedModelError(
-                    f"the model filled a cache layer of type {type(layer).__name__}; lookahead needs plain "
-                    "DynamicLayer entries that it can roll back"
+                    f"the model filled a cache layer of type {type(layer).__name__}; lookahead needs the "
+                    "GrowingLayer entries it created, which it can roll back"
                 )
