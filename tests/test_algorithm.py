@@ -84,17 +84,29 @@ def test_pool_keeps_most_recent_distinct_continuations():
     pool.add([1, 2, 3])
     pool.add([1, 4, 5])
     pool.add([1, 2, 3])  # seen again: moves to the front, not duplicated
-    assert pool.continuations(1) == [(2, 3), (4, 5)]
+    assert pool.continuations([1]) == [(2, 3), (4, 5)]
     pool.add([1, 6, 7])
-    assert pool.continuations(1) == [(6, 7), (2, 3)]
-    assert pool.continuations(9) == []
+    assert pool.continuations([8, 1]) == [(6, 7), (2, 3)]
+    assert pool.continuations([9]) == []
     assert len(pool) == 2
+
+
+def test_pool_ranks_continuations_with_longer_shared_context_first():
+    pool = NGramPool(ngram=3, capacity=3, context=3)
+    pool.add_all([7, 8, 1, 2, 3])  # 1 -> (2, 3) after 7, 8
+    pool.add_all([5, 1, 4, 4])  # 1 -> (4, 4) after 5
+    pool.add([1, 6, 6])  # 1 -> (6, 6), from the window: no context
+    assert pool.continuations([0, 0, 1]) == [(6, 6), (4, 4), (2, 3)]  # recency alone
+    assert pool.continuations([0, 5, 1]) == [(4, 4), (6, 6), (2, 3)]
+    assert pool.continuations([7, 8, 1]) == [(2, 3), (6, 6), (4, 4)]
+    assert pool.continuations([9, 8, 1]) == [(2, 3), (6, 6), (4, 4)]  # shares two tokens
+    assert len(pool) == 6  # every n-gram of both texts, once
 
 
 def test_pool_from_sequence_and_zero_capacity():
     pool = NGramPool(ngram=2, capacity=3)
     pool.add_all([5, 6, 5, 7])
-    assert pool.continuations(5) == [(7,), (6,)]
+    assert pool.continuations([5]) == [(7,), (6,)]
     empty = NGramPool(ngram=2, capacity=0)
     empty.add_all([5, 6, 5, 7])
     assert len(empty) == 0

@@ -108,9 +108,8 @@ def generate(
     if streamer is not None:
         streamer.put(prompt.view(1, -1))
     generated: list[int] = []
-    last = int(prompt[-1])
     while len(generated) < max_new_tokens:
-        plan = decoder.plan(last)
+        plan = decoder.plan()
         past = cache.get_seq_length()
         logits = runner.logits(cache, plan.tokens, past + plan.layout.offsets, plan.layout.allowed, plan.layout.logit_rows)
         stats.tokens_fed += plan.layout.size
@@ -129,7 +128,6 @@ def generate(
         if finished or len(generated) >= max_new_tokens:
             break
         runner.commit(cache, past, result.kept_rows)
-        last = tokens[-1]
     if streamer is not None:
         streamer.end()
     stats.new_tokens = len(generated)

@@ -16,11 +16,11 @@ from ..config import LookaheadConfig
 from .layout import GuessTree, StepLayout, build_guess_tree, step_layout
 from .pool import NGramPool
 from .verify import ROOT, ChooseRule, greedy_choice, verify_greedy, walk_tree
+from .window import LookaheadWindow
 
 # Scores a node's logits given the token ids before it ([1, L], [1, V] -> [1, V]), like a transformers
 # LogitsProcessor; None leaves the logits as they are.
 LogitsTransform = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-from .window import LookaheadWindow
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,10 @@ class LookaheadDecoder:
         rng = random.Random(config.seed)
         self.window = LookaheadWindow(rng.choices(prompt, k=config.window), config.levels)
 
-    def plan(self, last_token: int) -> StepPlan:
-        continuations = self.pool.continuations(last_token)[: self.config.guesses]
+    def plan(self) -> StepPlan:
+        """The next step's input: the last committed token, the window, and the guesses for what follows."""
+        last_token = self.sequence[-1]
+        continuations = self.pool.continuations(self.sequence)
         tree = build_guess_tree(continuations, self.config.ngram - 1)
         layout = step_layout(len(self.window.levels), self.window.width, tree)
         tokens = torch.tensor([last_token] + self.window.tokens + tree.tokens)
@@ -94,6 +96,7 @@ class LookaheadDecoder:
         self.sequence.extend(committed)
         if not self.config.learn_from_output:
             return
-        n, end = self.config.ngram, len(self.sequence)
+        n, end, context = self.config.ngram, len(self.sequence), self.pool.context
         for stop in range(max(n, end - len(committed) + 1), end + 1):
-            self.pool.add(self.sequence[stop - n : stop])
+            start = stop - n
+            self.pool.add(self.sequence[start:stop], self.sequence[max(0, start - context + 1) : start])

@@ -1,35 +1,58 @@
-"""The n-gram pool: continuations keyed by their first token, most recent first."""
+"""The n-gram pool: continuations keyed by their first token, ranked by how much context they share
+with the text being generated, then by recency."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+Continuation = tuple[int, ...]
+
 
 class NGramPool:
-    """Keeps at most `capacity` distinct continuations (the N-1 tokens after the key) per first token."""
+    """Keeps at most `capacity` distinct continuations (the N-1 tokens after the first) per key.
 
-    def __init__(self, ngram: int, capacity: int) -> None:
+    An n-gram seen in a text is filed under its first token and also under that token together with
+    the up to `context - 1` tokens before it. A lookup with the text's last tokens takes the
+    continuations of the longest matching key first (a longer shared context makes them likelier),
+    then those of shorter keys, most recent first at each length. Window n-grams come without context
+    and are filed under their first token only.
+    """
+
+    def __init__(self, ngram: int, capacity: int, context: int = 3) -> None:
         self.ngram = ngram
         self.capacity = capacity
-        self._by_first: dict[int, list[tuple[int, ...]]] = {}
+        self.context = context
+        self._by_key: dict[tuple[int, ...], list[Continuation]] = {}
 
-    def add(self, ngram: Sequence[int]) -> None:
+    def add(self, ngram: Sequence[int], before: Sequence[int] = ()) -> None:
+        """File an n-gram; `before`: the tokens that preceded it in its text, if any."""
         if self.capacity == 0:
             return
         first, continuation = ngram[0], tuple(ngram[1:])
-        entries = self._by_first.setdefault(first, [])
-        if continuation in entries:
-            entries.remove(continuation)
-        entries.insert(0, continuation)
-        del entries[self.capacity :]
+        history = tuple(before[len(before) - self.context + 1 :]) if self.context > 1 else ()
+        for length in range(len(history) + 1):
+            entries = self._by_key.setdefault(history[len(history) - length :] + (first,), [])
+            if continuation in entries:
+                entries.remove(continuation)
+            entries.insert(0, continuation)
+            del entries[self.capacity :]
 
     def add_all(self, tokens: Sequence[int]) -> None:
-        """Add every n-gram of a token sequence, in order (later ones end up first)."""
+        """File every n-gram of a text with its context, in order (later ones end up first)."""
         for start in range(len(tokens) - self.ngram + 1):
-            self.add(tokens[start : start + self.ngram])
+            self.add(tokens[start : start + self.ngram], tokens[max(0, start - self.context + 1) : start])
 
-    def continuations(self, first: int) -> list[tuple[int, ...]]:
-        return self._by_first.get(first, [])
+    def continuations(self, text: Sequence[int]) -> list[Continuation]:
+        """Up to `capacity` continuations of the text's last token, best-matching context first."""
+        found: list[Continuation] = []
+        for length in range(min(self.context, len(text)), 0, -1):
+            for continuation in self._by_key.get(tuple(text[len(text) - length :]), ()):
+                if continuation not in found:
+                    found.append(continuation)
+                    if len(found) == self.capacity:
+                        return found
+        return found
 
     def __len__(self) -> int:
-        return sum(len(entries) for entries in self._by_first.values())
+        """Distinct (first token, continuation) pairs held."""
+        return sum(len(entries) for key, entries in self._by_key.items() if len(key) == 1)
