@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 
 import pytest
 import torch
+from conftest import reference_greedy
 from test_cli import run
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from lookahead.bench.report import divergence_table
+from lookahead.bench.runner import Run, TieMeter
 from lookahead.models import load_model
 
 
@@ -58,6 +63,7 @@ def test_bench_on_a_tiny_model(tiny_dir, tmp_path):
     results = check_results(tmp_path, {"greedy", "pld", "plain", "lookahead-W2N3G2", "lookahead-W0N4G3"}, 2)
     assert {r["category"] for r in results["runs"]} == {"writing", "roleplay"}  # the limit spans categories
     assert "profile lookahead-W2N3G2:" in result.stdout and "| lookahead-W0N4G3 | all |" in result.stdout
+    assert "Every output was token-identical" in result.stdout
 
 
 def test_bench_two_turns_and_a_user_jsonl(tiny_dir, tmp_path):
@@ -128,3 +134,33 @@ def test_bench_with_sampling(tiny_dir, tmp_path):
     sample_row = next(r for r in results["summary"] if r["method"] == "sample" and r["category"] == "all")
     assert sample_row["speedup_total"] == pytest.approx(1.0)
     assert "temperature=0.8" in results["environment"]["sampling"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tie_meter_measures_the_gap_between_the_two_choices(llama_tiny, dtype):
+    """At a divergence the report gives |logit(greedy's token) - logit(ours)|, from a float32 forward of
+    the model's own weights whatever the model's dtype."""
+    model = copy.deepcopy(llama_tiny).to(dtype)
+    prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    reference = reference_greedy(llama_tiny, prompt, 10)[0, 12:].tolist()
+    ours = list(reference)
+    ours[4] = (reference[4] + 1) % 128
+    gap, median_gap, spacing = TieMeter(model).gaps(prompt, reference, ours, 4)
+    with torch.inference_mode():
+        full = copy.deepcopy(model).float()(torch.cat([prompt[0], torch.tensor(reference[:4])]).view(1, -1)).logits[0, -1]
+    assert gap == pytest.approx(abs(float(full[reference[4]] - full[ours[4]])), rel=1e-4, abs=1e-5)
+    assert median_gap > 0
+    magnitude = 2.0 ** math.floor(math.log2(abs(float(full[reference[4]]))))
+    assert spacing == pytest.approx(torch.finfo(dtype).eps * magnitude)
+
+
+def test_report_lists_every_divergence():
+    runs = [
+        Run("a", "c", 0, "plain", 8, 8, 1.0, 0.9, 8, True, None),
+        Run("b", "c", 0, "plain", 8, 8, 1.0, 0.9, 8, False, 5, 0.0625, 2.5, 0.125),
+    ]
+    table = divergence_table(runs)
+    assert "1 of 2 outputs differ" in table and "| plain | b | 0 | 5 | 0.062 | 0.1250 | 2.500 |" in table
+    assert "token-identical" in divergence_table(runs[:1])
+    sampled = [Run("a", "c", 0, "plain", 8, 8, 1.0, 0.9, 8, None, None)]
+    assert "not compared" in divergence_table(sampled)

@@ -17,7 +17,7 @@ from transformers.utils import logging as hf_logging
 
 from .baseline import hf_generate
 from .bench.cost import forward_cost, sweep
-from .bench.report import fit_log_line, summary_table, write_benchmark, write_cost, write_sweep
+from .bench.report import divergence_table, fit_log_line, summary_table, write_benchmark, write_cost, write_sweep
 from .bench.runner import environment, run_benchmark, standard_methods, summarize
 from .config import LookaheadConfig
 from .generation import ACCELERATOR_CONFIG, default_config, generate
@@ -246,6 +246,7 @@ def bench_command(
     if sampling is not None:
         env["sampling"] = ", ".join(f"{k}={v}" for k, v in sampling.items())
     print(summary_table(rows))
+    print("\n" + divergence_table(runs))
     print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
     if profile:
         for r in (r for r in rows if r.category == "all" and r.overhead_fraction is not None):

@@ -35,6 +35,30 @@ def summary_table(rows: list[Summary]) -> str:
     return "\n".join(lines)
 
 
+def divergence_table(runs: list[Run]) -> str:
+    """Every output that differs from transformers' `generate`, with how close to a tie it diverged."""
+    if all(r.identical is None for r in runs):
+        return "Outputs were not compared token for token (sampling, or no `greedy` baseline)."
+    diverged = [r for r in runs if r.identical is False]
+    if not diverged:
+        return "Every output was token-identical to transformers' `generate`."
+    lines = [
+        f"{len(diverged)} of {sum(r.identical is not None for r in runs)} outputs differ from transformers' "
+        "`generate`. At the first difference, |gap| is the logit difference between the two chosen tokens; "
+        "the median gap is that of the top two tokens over the whole output (float32 forward of the same weights); "
+        "spacing, the step between neighbouring values of the model's dtype at that logit.",
+        "",
+        "| method | prompt | turn | first difference | |gap| there | spacing there | median top-2 gap |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in diverged:
+        lines.append(
+            f"| {r.method} | {r.prompt_id} | {r.turn} | {r.first_difference} | {_fmt(r.tie_gap, 3)} | "
+            f"{_fmt(r.dtype_spacing, 4)} | {_fmt(r.median_gap, 3)} |"
+        )
+    return "\n".join(lines)
+
+
 def write_benchmark(out: Path, runs: list[Run], rows: list[Summary], env: dict, command: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     results = {
@@ -49,6 +73,7 @@ def write_benchmark(out: Path, runs: list[Run], rows: list[Summary], env: dict, 
         f"# Benchmark\n\n`{command}`\n\n{env_lines}\n\n{summary_table(rows)}\n\n"
         "Speedup (total) is the ratio of total times; geomean, the geometric mean of per-prompt ratios; "
         "overhead, the share of our time spent outside the model's forward.\n\n"
+        f"## Divergences\n\n{divergence_table(runs)}\n\n"
         "![speedup](speedup.png)\n\n![tokens per step](tokens_per_step.png)\n"
     )
     return [out / "results.json", out / "report.md", _bars(out / "speedup.png", rows, "speedup_total", "speedup vs greedy"),

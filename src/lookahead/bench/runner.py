@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import platform
@@ -52,6 +53,12 @@ class Run:
     tokens_fed: int | None
     identical: bool | None  # same tokens as transformers' generate (None when it did not run, or sampling)
     first_difference: int | None  # first differing new-token position, if not identical
+    # At a first difference: |logit(transformers' token) - logit(ours)| there, and the median top-1 minus
+    # top-2 logit gap over transformers' output, both from one float32 forward of the same weights; and
+    # the spacing of the model dtype's representable values at that logit (its rounding step).
+    tie_gap: float | None = None
+    median_gap: float | None = None
+    dtype_spacing: float | None = None
 
     @property
     def tokens_per_step(self) -> float:
@@ -107,6 +114,31 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+class TieMeter:
+    """Logit gaps at divergences, in float32 arithmetic over the model's own weights (a float32 copy of a
+    lower-precision model, made at the first divergence): how close to a tie the two choices were."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self._model = model
+        self._float32: PreTrainedModel | None = None
+
+    @torch.inference_mode()
+    def gaps(
+        self, input_ids: torch.Tensor, reference: list[int], ours: list[int], index: int
+    ) -> tuple[float, float, float]:
+        """(|gap| at `index`, median top-2 gap over `reference`, the model dtype's spacing at that logit)."""
+        if self._float32 is None:
+            self._float32 = self._model if self._model.dtype == torch.float32 else copy.deepcopy(self._model).float()
+        sequence = torch.cat([input_ids[0], torch.tensor(reference, dtype=torch.long)]).view(1, -1)
+        # Row j predicts reference[j].
+        logits = self._float32(sequence.to(self._float32.device)).logits[0, input_ids.shape[1] - 1 : -1].float()
+        top2 = logits.topk(2, dim=-1).values
+        row = logits[index]
+        chosen = float(row[reference[index]])
+        spacing = torch.finfo(self._model.dtype).eps * 2.0 ** math.floor(math.log2(max(abs(chosen), 1e-30)))
+        return abs(chosen - float(row[ours[index]])), float((top2[:, 0] - top2[:, 1]).median()), spacing
+
+
 def run_benchmark(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -119,6 +151,7 @@ def run_benchmark(
     """Run every method on every prompt (and turn), back to back with the order rotated per prompt.
     The conversation of a second turn continues with transformers' answer (or the first method's)."""
     runs: list[Run] = []
+    ties = TieMeter(model)
     if prompts:  # warm-up: one short run per method, untimed
         warm = encode_prompt(tokenizer, prompts[0].turns[0], raw=prompts[0].raw)
         for method in methods:
@@ -141,9 +174,12 @@ def run_benchmark(
             for method in methods:
                 tokens, steps, seconds, forward_seconds, tokens_fed = outputs[method]
                 difference = _first_difference(tokens, reference) if compare else None
+                gaps = (None, None, None)
+                if difference is not None and difference < min(len(tokens), len(reference)):
+                    gaps = ties.gaps(input_ids, reference, tokens, difference)
                 run = Run(
                     prompt.id, prompt.category, turn, method.name, len(tokens), steps, seconds, forward_seconds,
-                    tokens_fed, difference is None if compare else None, difference,
+                    tokens_fed, difference is None if compare else None, difference, *gaps,
                 )
                 runs.append(run)
                 if on_run is not None:
