@@ -64,6 +64,8 @@ def test_bench_on_a_tiny_model(tiny_dir, tmp_path):
     assert {r["category"] for r in results["runs"]} == {"writing", "roleplay"}  # the limit spans categories
     assert "profile lookahead-W2N3G2:" in result.stdout and "| lookahead-W0N4G3 | all |" in result.stdout
     assert "Every output was token-identical" in result.stdout
+    profile = next(line for line in result.stdout.splitlines() if line.startswith("profile lookahead-W2N3G2:"))
+    assert all(f" {phase} " in profile for phase in ("forward", "inputs", "plan", "verify", "commit", "prefill"))
 
 
 def test_bench_two_turns_and_a_user_jsonl(tiny_dir, tmp_path):

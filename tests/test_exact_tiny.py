@@ -92,6 +92,15 @@ def test_commit_leaves_exactly_the_committed_tokens_in_the_cache(llama_tiny, pro
         torch.testing.assert_close(ours.values, reference.values, rtol=1e-4, atol=1e-5)
 
 
+def test_phase_seconds_account_for_the_whole_call(llama_tiny):
+    stats = generate(llama_tiny, random_prompt(30, 3), max_new_tokens=24).stats
+    phases = stats.phase_seconds
+    assert {"prefill", "plan", "inputs", "forward", "verify", "commit", "other"} <= set(phases)
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert sum(phases.values()) == pytest.approx(stats.seconds, abs=2e-3)
+    assert phases["forward"] <= stats.forward_seconds  # which also counts the prefill's forward
+
+
 def test_eos_stops_like_greedy(tiny_model):
     prompt = random_prompt(30, 11)
     free_run = reference_greedy(tiny_model, prompt, 40)[0, 30:].tolist()

@@ -17,7 +17,9 @@ from transformers.utils import logging as hf_logging
 
 from .baseline import hf_generate
 from .bench.cost import forward_cost, sweep
-from .bench.report import divergence_table, fit_log_line, summary_table, write_benchmark, write_cost, write_sweep
+from .bench.report import (
+    divergence_table, fit_log_line, profile_line, summary_table, write_benchmark, write_cost, write_sweep,
+)
 from .bench.runner import environment, run_benchmark, standard_methods, summarize
 from .config import LookaheadConfig
 from .generation import ACCELERATOR_CONFIG, default_config, generate
@@ -249,13 +251,8 @@ def bench_command(
     print("\n" + divergence_table(runs))
     print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
     if profile:
-        for r in (r for r in rows if r.category == "all" and r.overhead_fraction is not None):
-            forward = sum(x.forward_seconds for x in runs if x.method == r.method)
-            steps = sum(x.steps for x in runs if x.method == r.method)
-            print(
-                f"profile {r.method}: {1000 * r.seconds / steps:.1f} ms/step, model forward {1000 * forward / steps:.1f} ms, "
-                f"outside the model {100 * r.overhead_fraction:.1f}%"
-            )
+        for method in dict.fromkeys(r.method for r in runs if r.phase_seconds is not None):
+            print(profile_line(method, [r for r in runs if r.method == method]))
     if out is not None:
         for path in write_benchmark(out, runs, rows, env, "lookahead bench " + " ".join(sys.argv[2:])):
             print(f"wrote {path}")

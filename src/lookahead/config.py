@@ -11,7 +11,7 @@ class LookaheadConfig:
 
     window:  W, columns of the 2-D Jacobi window (0 turns the lookahead branch off).
     ngram:   N, size of the cached n-grams; the window keeps N-1 levels and a guess is N-1 tokens.
-    guesses: G, the most n-grams verified per step, and kept per first token in the pool
+    guesses: G, the most n-grams verified per step, and kept per key in the pool
              (0 turns verification off: one token per step, i.e. plain decoding).
     seed_from_prompt: put the prompt's own n-grams into the pool before the first step.
     learn_from_output: put the n-grams of the committed output into the pool as they appear.

@@ -35,6 +35,10 @@ class GenerationStats:
     forward_seconds: float = 0.0  # inside the model's forward (prefill included); the rest is our overhead
     tokens_fed: int = 0  # tokens fed to the model over all steps (the per-step FLOPs budget)
     accepted_per_step: list[int] = field(default_factory=list, repr=False)
+    # Where the time went: prefill; per step, plan (pool lookup, guess tree, layout), inputs (mask,
+    # positions), forward (the model), verify (verification, window and pool update), commit (cache);
+    # other: the rest (the loop itself, streamer).
+    phase_seconds: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def tokens_per_step(self) -> float:
@@ -53,6 +57,7 @@ class GenerationStats:
             "tokens_per_second": self.tokens_per_second,
             "forward_seconds": self.forward_seconds,
             "tokens_fed": self.tokens_fed,
+            "phase_seconds": dict(self.phase_seconds),
         }
 
 
@@ -101,19 +106,26 @@ def generate(
 
     start = time.perf_counter()
     stats = GenerationStats()
+    lap = _Laps(stats.phase_seconds)
     decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform)
     cache = runner.new_cache()
     if prompt.numel() > 1:
         runner.prefill(cache, prompt[:-1])
+    lap("prefill")
+    prefill_forward = runner.forward_seconds
     if streamer is not None:
         streamer.put(prompt.view(1, -1))
     generated: list[int] = []
     while len(generated) < max_new_tokens:
+        lap("other")
         plan = decoder.plan()
+        lap("plan")
         past = cache.get_seq_length()
         logits = runner.logits(cache, plan.tokens, past + plan.layout.offsets, plan.layout.allowed, plan.layout.logit_rows)
+        lap("inputs")
         stats.tokens_fed += plan.layout.size
         result = decoder.update(plan, logits)
+        lap("verify")
         tokens = result.tokens[: max_new_tokens - len(generated)]
         finished = False
         for index, token in enumerate(tokens):
@@ -128,11 +140,15 @@ def generate(
         if finished or len(generated) >= max_new_tokens:
             break
         runner.commit(cache, past, result.kept_rows)
+        lap("commit")
     if streamer is not None:
         streamer.end()
+    lap("other")
     stats.new_tokens = len(generated)
     stats.seconds = time.perf_counter() - start
     stats.forward_seconds = runner.forward_seconds
+    stats.phase_seconds["forward"] = runner.forward_seconds - prefill_forward
+    stats.phase_seconds["inputs"] -= stats.phase_seconds["forward"]  # the lap ran the forward too
     sequences = torch.cat([prompt, torch.tensor(generated, dtype=torch.long)]).view(1, -1)
     return GenerateOutput(sequences, stats)
 
@@ -150,6 +166,19 @@ def _prompt_tensor(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
     elif ids.dim() != 1:
         raise ValueError(f"input_ids must have shape [1, n] or [n], got shape {list(ids.shape)}")
     return ids.to(torch.long).cpu()
+
+
+class _Laps:
+    """Adds the time since the previous lap to `totals[name]`."""
+
+    def __init__(self, totals: dict[str, float]) -> None:
+        self.totals = totals
+        self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.totals[name] = self.totals.get(name, 0.0) + now - self.last
+        self.last = now
 
 
 def _eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None) -> set[int]:

@@ -35,6 +35,22 @@ def summary_table(rows: list[Summary]) -> str:
     return "\n".join(lines)
 
 
+PHASES = ("forward", "inputs", "plan", "verify", "commit", "prefill", "other")
+
+
+def profile_line(method: str, runs: list[Run]) -> str:
+    """Where one method's time went, per step and by phase (`GenerationStats.phase_seconds`)."""
+    steps = sum(r.steps for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    totals = {phase: sum((r.phase_seconds or {}).get(phase, 0.0) for r in runs) for phase in PHASES}
+    shares = ", ".join(f"{phase} {100 * totals[phase] / seconds:.1f}%" for phase in PHASES)
+    outside = 1 - (totals["forward"] + totals["prefill"]) / seconds
+    return (
+        f"profile {method}: {1000 * seconds / steps:.1f} ms/step, model forward {1000 * totals['forward'] / steps:.1f} ms/step; "
+        f"{shares}; outside the model {100 * outside:.1f}%"
+    )
+
+
 def divergence_table(runs: list[Run]) -> str:
     """Every output that differs from transformers' `generate`, with how close to a tie it diverged."""
     if all(r.identical is None for r in runs):

@@ -59,6 +59,7 @@ class Run:
     tie_gap: float | None = None
     median_gap: float | None = None
     dtype_spacing: float | None = None
+    phase_seconds: dict[str, float] | None = None  # ours only: see `GenerationStats.phase_seconds`
 
     @property
     def tokens_per_step(self) -> float:
@@ -81,8 +82,8 @@ class _ForwardCounter:
 
 def run_method(
     model: PreTrainedModel, method: Method, input_ids: torch.Tensor, max_new_tokens: int, sampling: dict | None = None
-) -> tuple[list[int], int, float, float | None, int | None]:
-    """(new tokens, steps, seconds, forward seconds, tokens fed) of one method on one prompt.
+) -> tuple[list[int], int, float, float | None, int | None, dict[str, float] | None]:
+    """(new tokens, steps, seconds, forward seconds, tokens fed, phase seconds) of one method on one prompt.
     sampling: None for greedy, else do_sample options (temperature, top_k, top_p, seed)."""
     prompt_len = input_ids.shape[1]
     options = dict(sampling or {})
@@ -93,7 +94,7 @@ def run_method(
             options.update(do_sample=True, generator=torch.Generator().manual_seed(seed))
         out = generate(model, input_ids, max_new_tokens=max_new_tokens, config=config, **options)
         s = out.stats
-        return out.sequences[0, prompt_len:].tolist(), s.steps, s.seconds, s.forward_seconds, s.tokens_fed
+        return out.sequences[0, prompt_len:].tolist(), s.steps, s.seconds, s.forward_seconds, s.tokens_fed, s.phase_seconds
     if method.kind == "pld":
         options["prompt_lookup_num_tokens"] = PLD_TOKENS
     if sampling is not None:
@@ -104,7 +105,7 @@ def run_method(
         sequences, seconds = hf_generate(model, input_ids, max_new_tokens, **options)
     finally:
         counter.close()
-    return sequences[0, prompt_len:].tolist(), counter.calls, seconds, None, None
+    return sequences[0, prompt_len:].tolist(), counter.calls, seconds, None, None, None
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
@@ -172,14 +173,14 @@ def run_benchmark(
             compare = baseline is not None and sampling is None
             reference = outputs[baseline or methods[0]][0]
             for method in methods:
-                tokens, steps, seconds, forward_seconds, tokens_fed = outputs[method]
+                tokens, steps, seconds, forward_seconds, tokens_fed, phases = outputs[method]
                 difference = _first_difference(tokens, reference) if compare else None
                 gaps = (None, None, None)
                 if difference is not None and difference < min(len(tokens), len(reference)):
                     gaps = ties.gaps(input_ids, reference, tokens, difference)
                 run = Run(
                     prompt.id, prompt.category, turn, method.name, len(tokens), steps, seconds, forward_seconds,
-                    tokens_fed, difference is None if compare else None, difference, *gaps,
+                    tokens_fed, difference is None if compare else None, difference, *gaps, phases,
                 )
                 runs.append(run)
                 if on_run is not None:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# llama.cpp's plain decoding speed on the default model, on this machine: the yardstick of the speed
+# issue's stretch target (our tokens/s against llama.cpp's). Everything comes from package registries:
+# llama.cpp is built from the copy vendored in the llama-cpp-python sdist (PyPI), and the F32/BF16 GGUF
+# files are converted from the dequantised default model with llama.cpp's own converter.
+#
+#   bash scripts/llama_cpp_bench.sh [threads]      # prints llama-bench's table (tokens/s, tg256 at depth 128)
+#
+# Needs cmake and a C++ compiler; the build (a few minutes) and the converted files are kept for reruns.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh >/dev/null
+THREADS="${1:-2}"
+VERSION=0.3.16
+WORK="${LOOKAHEAD_CACHE:-$HOME/.cache/lookahead}/llama.cpp-$VERSION"
+SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
+PY=.venv/bin/python
+mkdir -p "$WORK"
+
+if [ ! -x "$SRC/build/bin/llama-bench" ]; then
+  $PY -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK"
+  tar -xzf "$WORK/llama_cpp_python-$VERSION.tar.gz" -C "$WORK"
+  cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF >/dev/null
+  cmake --build "$SRC/build" -j "$(nproc)" --target llama-bench >/dev/null
+fi
+
+# The Q4_1 file the default model is read from, and the same weights as F32 and BF16 GGUF.
+Q4=$($PY -c 'from lookahead.models import DEFAULT_GGUF_FILE, default_model_dir; print(default_model_dir() / DEFAULT_GGUF_FILE)')
+HF_DIR=$($PY -c 'from lookahead.models import load_model; m, _ = load_model(); print(m.config._name_or_path)')
+for type in f32 bf16; do
+  if [ ! -f "$WORK/default-$type.gguf" ]; then
+    $PY -m pip install --quiet --target "$WORK/converter-deps" mistral_common sentencepiece
+    PYTHONPATH="$SRC/gguf-py:$WORK/converter-deps" $PY "$SRC/convert_hf_to_gguf.py" "$HF_DIR" \
+      --outtype "$type" --outfile "$WORK/default-$type.gguf" >/dev/null 2>&1
+  fi
+done
+
+"$SRC/build/bin/llama-bench" -m "$Q4" -m "$WORK/default-f32.gguf" -m "$WORK/default-bf16.gguf" \
+  -t "$THREADS" -p 0 -n 256 -d 128 -r 3
