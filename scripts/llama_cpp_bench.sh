@@ -22,15 +22,17 @@ if [ ! -x "$SRC/build/bin/llama-bench" ]; then
   tar -xzf "$WORK/llama_cpp_python-$VERSION.tar.gz" -C "$WORK"
   cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF >/dev/null
-  cmake --build "$SRC/build" -j "$(nproc)" --target llama-bench >/dev/null
+  cmake --build "$SRC/build" -j "$(nproc)" --target llama-bench >/dev/null 2>&1
 fi
 
 # The Q4_1 file the default model is read from, and the same weights as F32 and BF16 GGUF.
 Q4=$($PY -c 'from lookahead.models import DEFAULT_GGUF_FILE, default_model_dir; print(default_model_dir() / DEFAULT_GGUF_FILE)')
 HF_DIR=$($PY -c 'from lookahead.models import load_model; m, _ = load_model(); print(m.config._name_or_path)')
+if [ ! -d "$WORK/converter-deps" ]; then
+  $PY -m pip install --quiet --target "$WORK/converter-deps" mistral_common sentencepiece
+fi
 for type in f32 bf16; do
   if [ ! -f "$WORK/default-$type.gguf" ]; then
-    $PY -m pip install --quiet --target "$WORK/converter-deps" mistral_common sentencepiece
     PYTHONPATH="$SRC/gguf-py:$WORK/converter-deps" $PY "$SRC/convert_hf_to_gguf.py" "$HF_DIR" \
       --outtype "$type" --outfile "$WORK/default-$type.gguf" >/dev/null 2>&1
   fi
