@@ -251,8 +251,8 @@ def bench_command(
     print("\n" + divergence_table(runs))
     print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
     if profile:
-        for method in dict.fromkeys(r.method for r in runs if r.phase_seconds is not None):
-            print(profile_line(method, [r for r in runs if r.method == method]))
+        for row in (r for r in rows if r.category == "all" and r.overhead_fraction is not None):
+            print(profile_line(row, [r for r in runs if r.method == row.method]))
     if out is not None:
         for path in write_benchmark(out, runs, rows, env, "lookahead bench " + " ".join(sys.argv[2:])):
             print(f"wrote {path}")

@@ -38,16 +38,15 @@ def summary_table(rows: list[Summary]) -> str:
 PHASES = ("forward", "inputs", "plan", "verify", "commit", "prefill", "other")
 
 
-def profile_line(method: str, runs: list[Run]) -> str:
-    """Where one method's time went, per step and by phase (`GenerationStats.phase_seconds`)."""
-    steps = sum(r.steps for r in runs)
-    seconds = sum(r.seconds for r in runs)
+def profile_line(row: Summary, runs: list[Run]) -> str:
+    """Where one method's time went (its overall summary row and its runs), per step and by phase
+    (`GenerationStats.phase_seconds`)."""
     totals = {phase: sum((r.phase_seconds or {}).get(phase, 0.0) for r in runs) for phase in PHASES}
-    shares = ", ".join(f"{phase} {100 * totals[phase] / seconds:.1f}%" for phase in PHASES)
-    outside = 1 - (totals["forward"] + totals["prefill"]) / seconds
+    shares = ", ".join(f"{phase} {100 * totals[phase] / row.seconds:.1f}%" for phase in PHASES)
     return (
-        f"profile {method}: {1000 * seconds / steps:.1f} ms/step, model forward {1000 * totals['forward'] / steps:.1f} ms/step; "
-        f"{shares}; outside the model {100 * outside:.1f}%"
+        f"profile {row.method}: {1000 * row.seconds / row.steps:.1f} ms/step, "
+        f"model forward {1000 * totals['forward'] / row.steps:.1f} ms/step; "
+        f"{shares}; outside the model {100 * row.overhead_fraction:.1f}%"
     )
 
 

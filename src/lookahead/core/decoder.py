@@ -96,7 +96,6 @@ class LookaheadDecoder:
         self.sequence.extend(committed)
         if not self.config.learn_from_output:
             return
-        n, end, context = self.config.ngram, len(self.sequence), self.pool.context
+        n, end = self.config.ngram, len(self.sequence)
         for stop in range(max(n, end - len(committed) + 1), end + 1):
-            start = stop - n
-            self.pool.add(self.sequence[start:stop], self.sequence[max(0, start - context + 1) : start])
+            self.pool.add_at(self.sequence, stop - n)

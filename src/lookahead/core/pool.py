@@ -29,7 +29,7 @@ class NGramPool:
         if self.capacity == 0:
             return
         first, continuation = ngram[0], tuple(ngram[1:])
-        history = tuple(before[len(before) - self.context + 1 :]) if self.context > 1 else ()
+        history = tuple(before[len(before) - self.context + 1 :])
         for length in range(len(history) + 1):
             entries = self._by_key.setdefault(history[len(history) - length :] + (first,), [])
             if continuation in entries:
@@ -37,10 +37,14 @@ class NGramPool:
             entries.insert(0, continuation)
             del entries[self.capacity :]
 
+    def add_at(self, text: Sequence[int], start: int) -> None:
+        """File the n-gram of a text that begins at `start`, with the tokens before it as its context."""
+        self.add(text[start : start + self.ngram], text[max(0, start - self.context + 1) : start])
+
     def add_all(self, tokens: Sequence[int]) -> None:
         """File every n-gram of a text with its context, in order (later ones end up first)."""
         for start in range(len(tokens) - self.ngram + 1):
-            self.add(tokens[start : start + self.ngram], tokens[max(0, start - self.context + 1) : start])
+            self.add_at(tokens, start)
 
     def continuations(self, text: Sequence[int]) -> list[Continuation]:
         """Up to `capacity` continuations of the text's last token, best-matching context first."""
