@@ -1,9 +1,19 @@
-"""Shared fixtures: tiny random models of several families, and the real default model."""
+"""Shared fixtures: tiny random models of several families, the real default model, transformers'
+reference outputs cached on disk, the CLI run in-process, and the hypothesis profiles of the tiers."""
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
+import os
+import weakref
+
 import pytest
 import torch
+import transformers
+import typer.testing
+from hypothesis import HealthCheck, settings
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -17,7 +27,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from lookahead import cli
 from lookahead.baseline import hf_generate
+from lookahead.models import cache_root
 
 TINY_VOCAB = 128
 _COMMON = dict(
@@ -90,5 +102,69 @@ def default_model():
     return load_model()
 
 
-def reference_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
-    return hf_generate(model, input_ids, max_new_tokens, eos_token_id=eos_token_id)[0]
+# Example counts of the property tests: `scripts/test.sh --quick` runs the quick profile, the full run the
+# full one; both are seeded (derandomize), so a failure reproduces, and hypothesis prints the example.
+settings.register_profile("quick", max_examples=50, derandomize=True, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("full", parent=settings.get_profile("quick"), max_examples=1000)
+settings.load_profile("quick")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one torch thread per worker: the workers share the cores
+    torch.set_num_threads(1)
+
+
+# transformers' greedy outputs, the reference of every exactness test, are cached on disk: the key holds
+# everything the output depends on (the weights' bytes, the config, the prompt, the length, the EOS ids,
+# the versions of torch and transformers, the source of the call); LOOKAHEAD_TEST_REFERENCE_CACHE=0
+# recomputes them all.
+REFERENCE_CACHE = cache_root() / "test-references"
+_FINGERPRINTS: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of what the model computes: its class, config, generation config and every weight's bytes."""
+    if model not in _FINGERPRINTS:
+        digest = hashlib.blake2b(digest_size=20)
+        config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+        digest.update(json.dumps([type(model).__name__, config, model.generation_config.to_dict()],
+                                 sort_keys=True, default=str).encode())
+        for name, tensor in model.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        _FINGERPRINTS[model] = digest.hexdigest()
+    return _FINGERPRINTS[model]
+
+
+_REFERENCE_SOURCE = hashlib.blake2b(inspect.getsource(hf_generate).encode(), digest_size=8).hexdigest()
+
+
+def reference_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, **options) -> torch.Tensor:
+    """transformers' own greedy `generate` ([1, n + new]), from the disk cache when it has run before."""
+    eos = eos_token_id if eos_token_id is None or isinstance(eos_token_id, int) else sorted(eos_token_id)
+    key = json.dumps([model_fingerprint(model), torch.as_tensor(input_ids).tolist(), max_new_tokens, eos, options,
+                      torch.__version__, transformers.__version__, _REFERENCE_SOURCE], sort_keys=True, default=str)
+    path = REFERENCE_CACHE / f"{hashlib.blake2b(key.encode(), digest_size=20).hexdigest()}.pt"
+    use_cache = os.environ.get("LOOKAHEAD_TEST_REFERENCE_CACHE", "1") != "0"
+    if use_cache and path.exists():
+        return torch.load(path)
+    sequences = hf_generate(model, input_ids, max_new_tokens, eos_token_id=eos_token_id, **options)[0].cpu()
+    if use_cache:
+        REFERENCE_CACHE.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        torch.save(sequences, partial)
+        os.replace(partial, path)  # atomic: parallel workers never read half a file
+    return sequences
+
+
+class CliResult:
+    def __init__(self, exit_code: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = exit_code, stdout, stderr
+
+
+def run_cli(*args: str) -> CliResult:
+    """The `lookahead` command run in this process (same parser, same code; no interpreter start-up and
+    model load per call). tests/test_cli.py runs the installed script as a subprocess too."""
+    result = typer.testing.CliRunner().invoke(cli.app, list(args), env={"COLUMNS": "200"})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return CliResult(result.exit_code, result.stdout, result.stderr)

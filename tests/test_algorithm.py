@@ -6,9 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lookahead.config import LookaheadConfig
+from lookahead.core.decoder import LookaheadDecoder
 from lookahead.core.layout import build_guess_tree, step_layout
 from lookahead.core.pool import NGramPool
-from lookahead.core.verify import ROOT, Verdict, greedy_choice, verify_greedy, walk_tree
+from lookahead.core.verify import ROOT, Verdict, greedy_choice, sample_choice, verify_greedy, walk_tree
 from lookahead.core.window import LookaheadWindow
 
 
@@ -150,3 +152,199 @@ def test_greedy_walk_equals_vectorised_greedy():
         fast = verify_greedy(tree, int(predictions[0]), predictions[1:])
         walked = walk_tree(tree, lambda node, accepted: logits[0 if node == ROOT else 1 + node], greedy_choice)
         assert fast == walked
+
+
+# Pinned down by the mutation run (docs/mutation.md): cases the tests above leave open.
+
+
+def test_pool_default_context_is_the_first_token_and_two_before_it():
+    pool = NGramPool(ngram=2, capacity=2)
+    pool.add_all([9, 7, 8, 1, 2])
+    pool.add_all([5, 7, 8, 1, 3])
+    # both 1s follow 7, 8; what came before that (9 or 5) is not looked at: recency decides
+    assert pool.continuations([9, 7, 8, 1]) == [(3,), (2,)]
+    assert pool.continuations([5, 7, 8, 1]) == [(3,), (2,)]
+
+
+def test_pool_three_token_context_beats_two_token_context():
+    direct, from_text = NGramPool(ngram=3, capacity=3), NGramPool(ngram=3, capacity=3)
+    direct.add([1, 2, 3], before=[7, 8])
+    direct.add([1, 4, 4], before=[9, 8])
+    from_text.add_all([7, 8, 1, 2, 3])
+    from_text.add_all([9, 8, 1, 4, 4])
+    for pool in (direct, from_text):
+        assert pool.continuations([7, 8, 1]) == [(2, 3), (4, 4)]  # 7, 8 shared: ahead of the more recent
+        assert pool.continuations([9, 8, 1]) == [(4, 4), (2, 3)]
+        assert pool.continuations([0, 8, 1]) == [(4, 4), (2, 3)]  # only 8 shared: recency
+
+
+def test_pool_of_capacity_one_keeps_the_latest():
+    pool = NGramPool(ngram=2, capacity=1)
+    pool.add([1, 2])
+    assert pool.continuations([1]) == [(2,)]
+    pool.add([1, 3])
+    assert pool.continuations([1]) == [(3,)] and len(pool) == 1
+
+
+def test_empty_guess_tree_paths_index_like_a_long_tensor():
+    tree = build_guess_tree([], 3)
+    assert tree.paths.dtype == torch.long and tree.paths.shape == (0, 3)
+    assert torch.tensor([4, 5])[tree.paths].shape == (0, 3)
+
+
+def test_layout_offsets_are_integer_positions():
+    for levels, width, guesses in [(0, 0, []), (2, 3, []), (0, 0, [(1, 2)]), (3, 2, [(1, 2), (1, 3)])]:
+        assert step_layout(levels, width, build_guess_tree(guesses, 2)).offsets.dtype == torch.long
+
+
+def test_window_without_rows_adds_nothing_to_the_layout():
+    """Zero levels or zero columns: the same layout as no window at all, whatever the other dimension."""
+    tree = build_guess_tree([(1, 2), (1, 3), (4, 5)], 2)
+    plain = step_layout(0, 0, tree)
+    assert plain.window_rows.tolist() == [] and plain.logit_rows.tolist() == [0, 1, 2, 3, 4, 5]
+    for levels, width in [(0, 4), (3, 0)]:
+        layout = step_layout(levels, width, tree)
+        assert layout.window_rows.tolist() == []
+        assert layout.logit_rows.tolist() == plain.logit_rows.tolist()
+        assert layout.offsets.tolist() == plain.offsets.tolist() and layout.tree_start == 1
+        assert torch.equal(layout.allowed, plain.allowed)
+
+
+def test_walk_scores_each_node_with_the_tokens_accepted_before_it():
+    tree = build_guess_tree([(5, 6, 7), (5, 8, 9)], 3)  # nodes: 5, 6, 7, 8, 9
+    best = {ROOT: 5, 0: 8, 3: 9, 4: 2}  # the walk goes root -> 5 -> 8 -> 9, then 2 is new
+    calls = []
+
+    def scores_at(node, accepted):
+        calls.append((node, list(accepted)))
+        return torch.nn.functional.one_hot(torch.tensor(best[node]), 10).float()
+
+    assert walk_tree(tree, scores_at, greedy_choice) == Verdict([5, 8, 9, 2], [0, 3, 4])
+    assert calls == [(ROOT, []), (0, [5]), (3, [5, 8]), (4, [5, 8, 9])]
+
+
+def test_sample_choice_draws_only_from_the_given_generator():
+    """The same generator seed gives the same tokens whatever the global RNG holds (accepts and residual draws)."""
+    scores = torch.tensor([0.0, 0.2, -0.3, 0.1, 0.0])
+    candidates = [(1, 10), (3, 11)]
+
+    def draws(global_seed):
+        torch.manual_seed(global_seed)
+        generator = torch.Generator().manual_seed(5)
+        return [sample_choice(scores, candidates, generator) for _ in range(40)]
+
+    first = draws(0)
+    assert draws(1) == first
+    assert {node for _, node in first} == {10, 11, None}  # both candidates accepted sometimes, and drawn past
+    assert {token for token, node in first if node is None} >= {0, 4}
+
+
+VOCAB = 10
+
+
+def _logits(highest: list[int], lowest: list[int] | None = None) -> torch.Tensor:
+    """One row per entry: noise in [0, 1), with 5 on the `highest` token and -5 on the `lowest` one."""
+    logits = torch.rand(len(highest), VOCAB, generator=torch.Generator().manual_seed(0))
+    logits[torch.arange(len(highest)), torch.tensor(highest)] = 5.0
+    if lowest is not None:
+        logits[torch.arange(len(lowest)), torch.tensor(lowest)] = -5.0
+    return logits
+
+
+# Prompt 5 6 7 5 6 8 5: its n-grams give the last token 5 the guesses (6, 8) and (6, 7), merged into the
+# tree 6 -> {8, 7} (nodes 0, 1, 2). A window of 2 columns starts with one level: rows 0 | 1 2 | 3 4 5.
+PROMPT = [5, 6, 7, 5, 6, 8, 5]
+SMALL = LookaheadConfig(window=2, ngram=3, guesses=2)
+
+
+def test_decoder_plans_last_token_window_and_guess_tree():
+    decoder = LookaheadDecoder(SMALL, PROMPT)
+    plan = decoder.plan()
+    assert plan.tree.tokens == [6, 8, 7] and plan.tree.parents == (-1, 0, 0)
+    assert plan.tokens[0] == 5 and plan.tokens[3:].tolist() == [6, 8, 7]
+    assert set(plan.tokens[1:3].tolist()) <= set(PROMPT)
+    assert plan.layout.logit_rows.tolist() == [0, 1, 2, 3, 4, 5] and plan.layout.tree_start == 3
+
+
+def test_decoder_window_starts_with_seeded_prompt_tokens():
+    prompt = list(range(20, 60))
+    config = LookaheadConfig(window=8, ngram=3, guesses=2, seed=4)
+    window = LookaheadDecoder(config, prompt).window
+    assert window.width == 8 and len(window.levels) == 1 and set(window.tokens) <= set(prompt)
+    assert LookaheadDecoder(config, prompt).window.tokens == window.tokens  # the seed fixes them
+    others = {tuple(LookaheadDecoder(LookaheadConfig(window=8, seed=s), prompt).window.tokens) for s in range(4)}
+    assert len(others) == 4
+
+
+def _transform_decoder():
+    """A decoder whose transform records what it is given and moves the best token to a planned one."""
+    calls = []
+    planned = {7: 6, 8: 7, 9: 9}  # by context length: after the prompt 6, then 7, then 9
+
+    def transform(context, scores):
+        calls.append((context.tolist(), scores.tolist()))
+        out = scores.clone()
+        out[0, planned[context.shape[1]]] = 100.0
+        return out
+
+    return LookaheadDecoder(SMALL, PROMPT, transform=transform), calls
+
+
+def test_decoder_transform_scores_each_node_with_its_own_prefix():
+    decoder, calls = _transform_decoder()
+    plan = decoder.plan()
+    logits = _logits([1, 3, 4, 2, 2, 2])  # untransformed, root and nodes all say something else
+    result = decoder.update(plan, logits)
+    assert result.tokens == [6, 7, 9]  # 6 and 7 are guesses (nodes 0 and 2), 9 the new token
+    assert result.kept_rows.tolist() == [0, 3, 5]
+    assert calls == [
+        ([PROMPT], [logits[0].tolist()]),
+        ([PROMPT + [6]], [logits[3].tolist()]),
+        ([PROMPT + [6, 7]], [logits[5].tolist()]),
+    ]
+    assert decoder.sequence == PROMPT + [6, 7, 9]
+    assert decoder.window.levels[1] == [3, 4]  # the window takes the greedy outputs of its rows
+
+
+def test_decoder_choose_rule_picks_the_tokens():
+    def lowest(scores, candidates):
+        token = int(scores.argmin())
+        return token, next((node for candidate, node in candidates if candidate == token), None)
+
+    decoder = LookaheadDecoder(SMALL, PROMPT, choose=lowest)
+    plan = decoder.plan()
+    logits = _logits([9, 3, 4, 9, 9, 9], lowest=[6, 0, 0, 8, 0, 0])  # lowest: 6 at the root, 8 after it, then 0
+    result = decoder.update(plan, logits)
+    assert result.tokens == [6, 8, 0] and result.kept_rows.tolist() == [0, 3, 4]
+    assert decoder.window.levels[1] == [3, 4]  # the window stays greedy
+
+
+def test_decoder_greedy_update_commits_and_learns_only_output_ngrams():
+    config = LookaheadConfig(window=0, ngram=2, guesses=2, seed_from_prompt=False)
+    decoder = LookaheadDecoder(config, [1, 2, 3, 4, 5])
+    plan = decoder.plan()
+    assert plan.tokens.tolist() == [5]  # no window, empty pool: the last token alone
+    result = decoder.update(plan, _logits([6]))
+    assert result.tokens == [6] and result.kept_rows.tolist() == [0]
+    assert len(decoder.pool) == 1 and decoder.pool.continuations([5]) == [(6,)]  # the prompt's n-grams stay out
+    plan = decoder.plan()
+    assert plan.tree.tokens == [] and decoder.update(plan, _logits([5])).tokens == [5]
+    assert decoder.pool.continuations([5]) == [(6,)] and decoder.pool.continuations([6]) == [(5,)]
+    assert decoder.plan().tree.tokens == [6]  # 5 was followed by 6: guessed again
+
+
+def test_decoder_transform_gets_the_context_on_the_logits_device():
+    """Logits processors index the scores with the context, so both must be on one device (on a GPU, the
+    logits'). The meta device stands in for an accelerator; `update` would read the meta data back, so the
+    scoring step is called on its own."""
+    seen = []
+
+    def transform(context, scores):
+        seen.append((context.device, context.dtype, tuple(context.shape), scores.device, tuple(scores.shape)))
+        return scores
+
+    decoder = LookaheadDecoder(SMALL, PROMPT, transform=transform)
+    logits = torch.empty(6, VOCAB, device="meta")
+    assert decoder._scores(logits, 2, 0, [6]).device.type == "meta"
+    meta = torch.device("meta")
+    assert seen == [(meta, torch.long, (1, len(PROMPT) + 1), meta, (1, VOCAB))]

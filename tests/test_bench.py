@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from conftest import reference_greedy
-from test_cli import run
+from conftest import run_cli as run
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lookahead.bench.report import divergence_table
@@ -38,17 +38,15 @@ def check_results(folder, methods: set[str], prompts: int, turns: int = 1) -> di
     assert {r["method"] for r in runs} == methods
     assert len(runs) == len(methods) * prompts * turns
     for r in runs:
-        assert r["new_tokens"] == pytest.approx(r["tokens_per_step"] * r["steps"])
-        assert r["steps"] >= 1 and r["seconds"] > 0
+        assert 1 <= r["steps"] <= r["new_tokens"] and r["seconds"] > 0
+        if r["tokens_fed"] is not None:  # ours: every step feeds at least the last token
+            assert r["tokens_fed"] >= r["steps"]
         if r["method"] != "pld":  # ours and greedy itself: token-identical to greedy in fp32
             assert r["identical"] is True and r["first_difference"] is None
     for row in results["summary"]:
         if row["method"] in ("greedy", "plain") or row["method"].startswith("lookahead"):
             assert row["identical_rate"] == 1.0
-        if row["method"] == "greedy":
-            assert row["speedup_total"] == pytest.approx(1.0)
-            assert row["tokens_per_step"] == pytest.approx(1.0)
-        if row["method"] == "plain":
+        if row["method"] in ("greedy", "plain"):  # steps counted from the model's forward passes
             assert row["tokens_per_step"] == pytest.approx(1.0)
     assert results["environment"]["dtype"] == "float32"
     report = (folder / "report.md").read_text()
@@ -132,9 +130,7 @@ def test_bench_with_sampling(tiny_dir, tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert {r["method"] for r in results["runs"]} == {"sample", "pld", "plain", "lookahead-W2N3G2"}
     assert all(r["identical"] is None for r in results["runs"])  # samples are not compared token for token
-    assert all(r["new_tokens"] == pytest.approx(r["tokens_per_step"] * r["steps"]) for r in results["runs"])
-    sample_row = next(r for r in results["summary"] if r["method"] == "sample" and r["category"] == "all")
-    assert sample_row["speedup_total"] == pytest.approx(1.0)
+    assert all(1 <= r["steps"] <= r["new_tokens"] <= 8 for r in results["runs"])
     assert "temperature=0.8" in results["environment"]["sampling"]
 
 

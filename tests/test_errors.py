@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_cli
 from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
 from lookahead import LookaheadConfig, UnsupportedModelError, generate
@@ -92,3 +93,40 @@ def test_layers_whose_cache_cannot_roll_back_are_refused(llama_tiny):
     model.config.layer_types = ["linear_attention"]
     with pytest.raises(UnsupportedModelError, match=r"\['linear_attention'\]"):
         generate(model, [1, 2, 3])
+
+
+@pytest.mark.parametrize("bad_id", [10**7, -5, 128])
+def test_ids_outside_the_vocabulary(llama_tiny, bad_id):
+    recorder = Recorder()
+    with pytest.raises(ValueError, match=rf"token id {bad_id}, outside the model's vocabulary \[0, 128\)"):
+        generate(llama_tiny, [[5, bad_id, 6]], streamer=recorder)
+    assert recorder.calls == 0
+
+
+def test_prompt_longer_than_the_context(llama_tiny):
+    context = llama_tiny.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"the prompt has {context + 1} tokens, more than the model's context of {context}"):
+        generate(llama_tiny, [5] * (context + 1))
+
+
+def test_prompt_plus_new_tokens_past_the_context(llama_tiny):
+    context = llama_tiny.config.max_position_embeddings
+    prompt = [5] * (context - 10)
+    with pytest.raises(ValueError, match=rf"\({context - 10} tokens\) \+ max_new_tokens \(11\) = {context + 1} exceeds "
+                                         rf"the model's context of {context} positions; max_new_tokens can be at most 10"):
+        generate(llama_tiny, prompt, max_new_tokens=11)
+    assert generate(llama_tiny, prompt, max_new_tokens=10, eos_token_id=[]).sequences.shape[1] == context  # the edge fits
+
+
+@pytest.mark.parametrize(
+    "prompt, args, message",
+    [
+        ("hello", ["--max-new-tokens", "9000"], "max_new_tokens (9000) = "),
+        ("word " * 9000, ["--raw", "--max-new-tokens", "1"], "more than the model's context of 8192 positions"),
+    ],
+    ids=["new-tokens-past-context", "prompt-past-context"],
+)
+def test_cli_reports_requests_past_the_context_in_one_line(prompt, args, message):
+    result = run_cli("generate", prompt, *args)
+    assert result.returncode == 2
+    assert message in result.stderr and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr

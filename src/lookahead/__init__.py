@@ -3,6 +3,6 @@
 from .config import LookaheadConfig
 from .generation import GenerateOutput, GenerationStats, generate
 from .hf import UnsupportedModelError
-from .models import load_model
+from .models import ModelLoadError, load_model
 
-__all__ = ["GenerateOutput", "GenerationStats", "LookaheadConfig", "UnsupportedModelError", "generate", "load_model"]
+__all__ = ["GenerateOutput", "GenerationStats", "LookaheadConfig", "ModelLoadError", "UnsupportedModelError", "generate", "load_model"]

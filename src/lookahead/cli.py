@@ -6,7 +6,7 @@ import json
 import sys
 from itertools import product, zip_longest
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import torch
 import typer
@@ -16,14 +16,16 @@ from transformers import TextStreamer
 from transformers.utils import logging as hf_logging
 
 from .baseline import hf_generate
-from .bench.cost import forward_cost, sweep
+from .bench.cost import sweep
 from .bench.report import (
     divergence_table, fit_log_line, profile_line, summary_table, write_benchmark, write_cost, write_sweep,
 )
 from .bench.runner import environment, run_benchmark, standard_methods, summarize
 from .config import LookaheadConfig
-from .generation import ACCELERATOR_CONFIG, default_config, generate
-from .models import DTYPES, load_model
+from .costs import forward_cost
+from .generation import ACCELERATOR_CONFIG, check_request, default_config, generate
+from .hf import HFModelRunner
+from .models import DTYPES, ModelLoadError, load_model
 from .prompts import encode_prompt
 from .workloads import BUILTIN, load_workload
 
@@ -39,6 +41,12 @@ DtypeOption = Annotated[str, typer.Option("--dtype", help=f"One of {', '.join(DT
 TopKOption = Annotated[Optional[int], typer.Option(help="Sampling: keep the k likeliest tokens (0: all).")]
 TopPOption = Annotated[Optional[float], typer.Option(help="Sampling: nucleus mass in (0, 1].")]
 SeedOption = Annotated[int, typer.Option(help="Seed for sampling.")]
+
+
+def _fail(message: str) -> NoReturn:
+    """End the command with one line on stderr and exit code 2, as for a bad option."""
+    typer.echo(f"Error: {message}", err=True)
+    raise typer.Exit(2)
 
 
 def _sampling_options(
@@ -101,6 +109,10 @@ def generate_command(
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty)
     lm, tokenizer = _load_model(model, gguf_file, dtype, None)
     input_ids = encode_prompt(tokenizer, prompt, raw=raw)
+    try:
+        check_request(lm, input_ids, max_new_tokens)
+    except ValueError as error:
+        _fail(str(error))
 
     def ours(tokens: int, streamer=None):
         generator = torch.Generator().manual_seed(seed)
@@ -169,7 +181,10 @@ def _load_model(model: str | None, gguf_file: str | None, dtype: str, threads: i
     if threads is not None:
         torch.set_num_threads(threads)
     hf_logging.disable_progress_bar()
-    return load_model(model, gguf_file=gguf_file, dtype=dtype)
+    try:
+        return load_model(model, gguf_file=gguf_file, dtype=dtype)
+    except ModelLoadError as error:  # the message says what was looked for and where
+        _fail(str(error))
 
 
 def _workload(dataset: str, turns: int, raw: bool, category: str | None, limit: int | None):
@@ -306,7 +321,8 @@ def cost_command(
     """The model's forward cost T(k) for k new tokens per step over a cached context."""
     lm, _ = _load_model(model, gguf_file, dtype, threads)
     sizes = tuple(sorted({1, *(2**i for i in range(max_k.bit_length()) if 2**i <= max_k), max_k}))
-    points = forward_cost(lm, context=context, sizes=sizes, repeats=repeats, packed_linear=None if packed_linear else False)
+    runner = HFModelRunner(lm, packed_linear=None if packed_linear else False)
+    points = forward_cost(runner, context=context, sizes=sizes, repeats=repeats)
     print("| k | ms | T(k)/T(1) |\n|---|---|---|")
     for p in points:
         print(f"| {p.tokens} | {1000 * p.seconds:.1f} | {p.relative:.2f} |")

@@ -11,7 +11,7 @@ from transformers import LogitsProcessor, PreTrainedModel
 
 from .config import LookaheadConfig
 from .core.decoder import LookaheadDecoder
-from .hf import HFModelRunner
+from .hf import HFModelRunner, context_length, vocabulary_size
 from .sampling import decoding_rule
 
 # Where extra tokens in a step are nearly free (GPUs), the paper's regime: a 5x3 window and 5 guesses.
@@ -96,10 +96,8 @@ def generate(
     """
     if config is not None and not isinstance(config, LookaheadConfig):
         raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")
-    prompt = _prompt_tensor(input_ids)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     runner = HFModelRunner(model, packed_linear=packed_linear)
+    prompt = check_request(model, input_ids, max_new_tokens)
     config = default_config(model) if config is None else config
     rule = decoding_rule(model, do_sample, temperature, top_k, top_p, repetition_penalty, logits_processor, generator)
     stop_ids = _eos_ids(model, eos_token_id)
@@ -151,6 +149,31 @@ def generate(
     stats.phase_seconds["inputs"] -= stats.phase_seconds["forward"]  # the lap ran the forward too
     sequences = torch.cat([prompt, torch.tensor(generated, dtype=torch.long)]).view(1, -1)
     return GenerateOutput(sequences, stats)
+
+
+def check_request(model: PreTrainedModel, input_ids: torch.Tensor | list[int], max_new_tokens: int) -> torch.Tensor:
+    """The prompt as a 1-D long tensor, once every check that needs no forward pass has passed: the ids
+    lie in the model's vocabulary and the prompt plus `max_new_tokens` fits the model's context.
+    Raises ValueError naming the argument and what is allowed."""
+    prompt = _prompt_tensor(input_ids)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    vocabulary = vocabulary_size(model)
+    outside = prompt[(prompt < 0) | (prompt >= vocabulary)]
+    if outside.numel():
+        raise ValueError(
+            f"input_ids holds token id {int(outside[0])}, outside the model's vocabulary [0, {vocabulary})"
+        )
+    context = context_length(model)
+    if context is not None and prompt.numel() > context:
+        raise ValueError(f"the prompt has {prompt.numel()} tokens, more than the model's context of {context} positions")
+    if context is not None and prompt.numel() + max_new_tokens > context:
+        raise ValueError(
+            f"the prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new_tokens}) = "
+            f"{prompt.numel() + max_new_tokens} exceeds the model's context of {context} positions; "
+            f"max_new_tokens can be at most {context - prompt.numel()} for this prompt"
+        )
+    return prompt
 
 
 def _prompt_tensor(input_ids: torch.Tensor | list[int]) -> torch.Tensor:

@@ -21,6 +21,16 @@ class UnsupportedModelError(ValueError):
     """The model cannot run lookahead steps (no custom masks, or a cache we cannot commit)."""
 
 
+def vocabulary_size(model: PreTrainedModel) -> int:
+    """Rows of the input embedding: the token ids the model can take are [0, vocabulary_size)."""
+    return model.get_input_embeddings().num_embeddings
+
+
+def context_length(model: PreTrainedModel) -> int | None:
+    """The most positions the model was built for (None where its config does not say)."""
+    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` that appends into spare capacity instead of concatenating.
 
@@ -143,6 +153,7 @@ class HFModelRunner:
         if packed_linear and model not in _PACKED:
             _PACKED[model] = PackedLinears(model)
         self._packed = _PACKED[model] if packed_linear else None
+        self.packed = bool(packed_linear)  # the forward runs on prepacked linear weights
 
     def _forward(self, **kwargs):
         start = time.perf_counter()

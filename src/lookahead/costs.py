@@ -1,0 +1,98 @@
+"""The forward cost curve T(k): seconds for one step of k new tokens over a cached context, on this model,
+device, dtype and thread count. Measured on first use (about a second on the default model on 2 CPU
+cores) and cached under $LOOKAHEAD_CACHE/costs; the drafter sizes each step's token tree with it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from .hf import HFModelRunner
+from .models import cache_root
+
+CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+COST_FORMAT_VERSION = 1
+
+
+class CostCurve:
+    """Relative forward cost T(k) / T(1) for k tokens in one step, from measured points: linear between
+    them and beyond the last."""
+
+    def __init__(self, sizes: Sequence[int], seconds: Sequence[float]) -> None:
+        if len(sizes) < 2 or list(sizes) != sorted(set(sizes)) or sizes[0] != 1 or min(seconds) <= 0:
+            raise ValueError("a cost curve needs increasing sizes starting at 1 and positive times")
+        self.sizes = list(sizes)
+        self.relative = [s / seconds[0] for s in seconds]
+
+    def __call__(self, tokens: int) -> float:
+        index = min(max(bisect_left(self.sizes, tokens), 1), len(self.sizes) - 1)
+        k0, k1 = self.sizes[index - 1], self.sizes[index]
+        t0, t1 = self.relative[index - 1], self.relative[index]
+        return t0 + (t1 - t0) * (tokens - k0) / (k1 - k0)
+
+
+@dataclass(frozen=True)
+class CostPoint:
+    tokens: int
+    seconds: float  # median over repeats
+    relative: float  # seconds / seconds at k = 1
+
+
+def forward_cost(
+    runner: HFModelRunner, context: int = 256, sizes: tuple[int, ...] = CURVE_SIZES, repeats: int = 5
+) -> list[CostPoint]:
+    """Median time of one forward of k tokens (causal among themselves, logits for all k) on top of a
+    `context`-token cache, through the same path lookahead steps take."""
+    vocab = runner.model.config.get_text_config(decoder=True).vocab_size
+    generator = torch.Generator().manual_seed(0)
+    cache = runner.new_cache()
+    runner.prefill(cache, torch.randint(vocab, (context,), generator=generator))
+    medians = {}
+    for k in sizes:
+        tokens = torch.randint(vocab, (k,), generator=generator)
+        allowed = torch.ones(k, k, dtype=torch.bool).tril()
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            runner.logits(cache, tokens, context + torch.arange(k), allowed, torch.arange(k))
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            times.append(time.perf_counter() - start)
+            runner.commit(cache, context, torch.zeros(0, dtype=torch.long))
+        medians[k] = statistics.median(times[1:])
+    base = medians[sizes[0]]
+    return [CostPoint(k, medians[k], medians[k] / base) for k in sizes]
+
+
+def _curve_key(runner: HFModelRunner) -> str:
+    """What the cost depends on: the model's shape (not its weights), dtype, device, threads, linear path."""
+    model: PreTrainedModel = runner.model
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else runner.device.type
+    described = json.dumps([COST_FORMAT_VERSION, type(model).__name__, config, str(runner.dtype), device,
+                            torch.get_num_threads(), runner.packed, torch.__version__], sort_keys=True, default=str)
+    return hashlib.blake2b(described.encode(), digest_size=16).hexdigest()
+
+
+def cost_curve(runner: HFModelRunner) -> CostCurve:
+    """T(k) for k in CURVE_SIZES, measured once per model shape and machine setting, then read from disk."""
+    path = cache_root() / "costs" / f"{_curve_key(runner)}.json"
+    if path.is_file():
+        measured = json.loads(path.read_text())
+    else:
+        points = forward_cost(runner, context=128, repeats=3)
+        measured = {"sizes": [p.tokens for p in points], "seconds": [p.seconds for p in points]}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(measured))
+        os.replace(partial, path)
+    return CostCurve(measured["sizes"], measured["seconds"])
