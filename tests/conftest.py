@@ -3,6 +3,7 @@ reference outputs cached on disk, the CLI run in-process, and the hypothesis pro
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -29,7 +30,7 @@ from transformers import (
 
 from lookahead import cli
 from lookahead.baseline import hf_generate
-from lookahead.models import cache_root
+from lookahead.models import cache_root, load_model
 
 TINY_VOCAB = 128
 _COMMON = dict(
@@ -95,11 +96,23 @@ def llama_tiny():
     return make_tiny_model("llama")
 
 
+@functools.cache
+def _load_once(name_or_path: str | None, gguf_file: str | None, dtype: str):
+    return load_model(name_or_path, gguf_file=gguf_file, dtype=dtype)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _models_loaded_once():
+    """Each model is loaded once per test process, also by the in-process CLI (a failed load is not kept)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli, "load_model", lambda name_or_path=None, gguf_file=None, dtype="float32":
+                      _load_once(name_or_path, gguf_file, dtype))
+        yield
+
+
 @pytest.fixture(scope="session")
 def default_model():
-    from lookahead import load_model
-
-    return load_model()
+    return _load_once(None, None, "float32")
 
 
 # Example counts of the property tests: `scripts/test.sh --quick` runs the quick profile, the full run the

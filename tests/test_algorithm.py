@@ -41,24 +41,22 @@ def slow_layout(levels: int, width: int, guesses: list[tuple[int, ...]]):
     return offsets, allowed, paths
 
 
-guess_lists = st.integers(1, 4).flatmap(
-    lambda m: st.lists(st.lists(st.integers(0, 3), min_size=m, max_size=m).map(tuple), max_size=5).map(lambda g: (m, g))
-)
+guess_lists = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6).map(tuple), max_size=5)  # ragged
 
 
 @given(levels=st.integers(0, 4), width=st.integers(0, 5), guesses=guess_lists)
 @settings(max_examples=80, deadline=None)
 def test_layout_matches_plain_reference(levels, width, guesses):
-    guess_len, guesses = guesses
     if levels == 0 or width == 0:
         levels = width = 0
-    tree = build_guess_tree(guesses, guess_len)
+    tree = build_guess_tree(guesses)
     layout = step_layout(levels, width, tree)
     offsets, allowed, paths = slow_layout(levels, width, guesses)
     assert layout.offsets.tolist() == offsets
     assert layout.allowed.tolist() == allowed
-    assert (tree.paths + layout.tree_start).tolist() == paths
-    assert layout.size == 1 + levels * width + len({g[: t + 1] for g in guesses for t in range(guess_len)})
+    rows = [[layout.tree_start + node for node in path if node >= 0] for path in tree.paths.tolist()]
+    assert rows == paths and all(node == -1 for path in tree.paths.tolist() for node in path[len(path) - path.count(-1):])
+    assert layout.size == 1 + levels * width + len({g[: t + 1] for g in guesses for t in range(len(g))})
     newest = list(range(1 + (levels - 1) * width, 1 + levels * width)) if levels else []
     assert layout.window_rows.tolist() == newest
     assert layout.logit_rows.tolist() == [0] + newest + list(range(1 + levels * width, layout.size))
@@ -67,7 +65,7 @@ def test_layout_matches_plain_reference(levels, width, guesses):
 def test_every_row_context_is_a_contiguous_chain():
     """What each row sees, sorted by position, must be positions 0..own position with no gap or repeat:
     that is what makes its prediction the same as a plain left-to-right pass would give."""
-    tree = build_guess_tree([(1, 2, 3), (1, 2, 4), (5, 6, 7)], 3)
+    tree = build_guess_tree([(1, 2, 3), (1, 2, 4), (5, 6, 7)])
     layout = step_layout(3, 4, tree)
     for row in range(layout.size):
         seen = sorted(layout.offsets[layout.allowed[row]].tolist())
@@ -75,7 +73,7 @@ def test_every_row_context_is_a_contiguous_chain():
 
 
 def test_shared_prefixes_are_fed_once():
-    tree = build_guess_tree([(1, 2, 3), (1, 2, 4), (1, 5, 6)], 3)
+    tree = build_guess_tree([(1, 2, 3), (1, 2, 4), (1, 5, 6)])
     assert tree.tokens == [1, 2, 3, 4, 5, 6]
     assert tree.parents == (-1, 0, 1, 1, 0, 4)
     assert tree.paths.tolist() == [[0, 1, 2], [0, 1, 3], [0, 4, 5]]
@@ -124,7 +122,7 @@ def test_window_fills_then_emits_ngrams_and_shifts():
 
 
 def test_verify_takes_longest_matching_prefix_plus_next_prediction():
-    tree = build_guess_tree([(5, 9, 9), (5, 6, 7), (4, 6, 7)], 3)  # nodes: 5, 9, 9', 6, 7, 4, 6', 7'
+    tree = build_guess_tree([(5, 9, 9), (5, 6, 7), (4, 6, 7)])  # nodes: 5, 9, 9', 6, 7, 4, 6', 7'
     # the model says 5 after the last token, and after each node:
     node_predictions = torch.tensor([6, 1, 1, 8, 3, 6, 7, 2])
     verdict = verify_greedy(tree, 5, node_predictions)
@@ -132,12 +130,23 @@ def test_verify_takes_longest_matching_prefix_plus_next_prediction():
 
 
 def test_verify_without_match_or_guesses_commits_one_token():
-    assert verify_greedy(build_guess_tree([(4, 5)], 2), 3, torch.tensor([5, 6])).tokens == [3]
-    assert verify_greedy(build_guess_tree([], 2), 3, torch.zeros(0, dtype=torch.long)) == Verdict([3], [])
+    assert verify_greedy(build_guess_tree([(4, 5)]), 3, torch.tensor([5, 6])).tokens == [3]
+    assert verify_greedy(build_guess_tree([]), 3, torch.zeros(0, dtype=torch.long)) == Verdict([3], [])
+
+
+def test_verify_over_guesses_of_different_lengths():
+    tree = build_guess_tree([(5,), (5, 6, 7, 8, 9), (4, 1)])  # nodes: 5, 6, 7, 8, 9, 4, 1
+    assert tree.paths.tolist() == [[0, -1, -1, -1, -1], [0, 1, 2, 3, 4], [5, 6, -1, -1, -1]]
+    # the model agrees with 5, 6, 7 and then says 3
+    verdict = verify_greedy(tree, 5, torch.tensor([6, 7, 3, 0, 0, 0, 0]))
+    assert verdict.tokens == [5, 6, 7, 3] and verdict.nodes == [0, 1, 2]
+    # a one-token guess fully accepted gets the model's next token after it
+    short = verify_greedy(build_guess_tree([(5,), (4, 1, 2)]), 5, torch.tensor([2, 0, 0, 0]))
+    assert short.tokens == [5, 2] and short.nodes == [0]
 
 
 def test_verify_full_match_commits_guess_and_bonus_token():
-    verdict = verify_greedy(build_guess_tree([(1, 2, 3)], 3), 1, torch.tensor([2, 3, 4]))
+    verdict = verify_greedy(build_guess_tree([(1, 2, 3)]), 1, torch.tensor([2, 3, 4]))
     assert verdict.tokens == [1, 2, 3, 4] and verdict.nodes == [0, 1, 2]
 
 
@@ -145,8 +154,9 @@ def test_greedy_walk_equals_vectorised_greedy():
     """The per-node walk (used when logits processors are on) agrees with the vectorised path."""
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
-        guesses = [tuple(torch.randint(0, 3, (3,), generator=generator).tolist()) for _ in range(4)]
-        tree = build_guess_tree(guesses, 3)
+        lengths = torch.randint(1, 6, (4,), generator=generator).tolist()  # ragged guesses
+        guesses = [tuple(torch.randint(0, 3, (length,), generator=generator).tolist()) for length in lengths]
+        tree = build_guess_tree(guesses)
         logits = torch.randn(1 + len(tree.tokens), 3, generator=generator)
         predictions = logits.argmax(dim=-1)
         fast = verify_greedy(tree, int(predictions[0]), predictions[1:])
@@ -187,19 +197,19 @@ def test_pool_of_capacity_one_keeps_the_latest():
 
 
 def test_empty_guess_tree_paths_index_like_a_long_tensor():
-    tree = build_guess_tree([], 3)
-    assert tree.paths.dtype == torch.long and tree.paths.shape == (0, 3)
-    assert torch.tensor([4, 5])[tree.paths].shape == (0, 3)
+    tree = build_guess_tree([])
+    assert tree.paths.dtype == torch.long and tree.paths.shape == (0, 0)
+    assert torch.tensor([4, 5])[tree.paths].shape == (0, 0)
 
 
 def test_layout_offsets_are_integer_positions():
     for levels, width, guesses in [(0, 0, []), (2, 3, []), (0, 0, [(1, 2)]), (3, 2, [(1, 2), (1, 3)])]:
-        assert step_layout(levels, width, build_guess_tree(guesses, 2)).offsets.dtype == torch.long
+        assert step_layout(levels, width, build_guess_tree(guesses)).offsets.dtype == torch.long
 
 
 def test_window_without_rows_adds_nothing_to_the_layout():
     """Zero levels or zero columns: the same layout as no window at all, whatever the other dimension."""
-    tree = build_guess_tree([(1, 2), (1, 3), (4, 5)], 2)
+    tree = build_guess_tree([(1, 2), (1, 3), (4, 5)])
     plain = step_layout(0, 0, tree)
     assert plain.window_rows.tolist() == [] and plain.logit_rows.tolist() == [0, 1, 2, 3, 4, 5]
     for levels, width in [(0, 4), (3, 0)]:
@@ -211,7 +221,7 @@ def test_window_without_rows_adds_nothing_to_the_layout():
 
 
 def test_walk_scores_each_node_with_the_tokens_accepted_before_it():
-    tree = build_guess_tree([(5, 6, 7), (5, 8, 9)], 3)  # nodes: 5, 6, 7, 8, 9
+    tree = build_guess_tree([(5, 6, 7), (5, 8, 9)])  # nodes: 5, 6, 7, 8, 9
     best = {ROOT: 5, 0: 8, 3: 9, 4: 2}  # the walk goes root -> 5 -> 8 -> 9, then 2 is new
     calls = []
 

@@ -62,6 +62,7 @@ def test_bench_on_a_tiny_model(tiny_dir, tmp_path):
     assert {r["category"] for r in results["runs"]} == {"writing", "roleplay"}  # the limit spans categories
     assert "profile lookahead-W2N3G2:" in result.stdout and "| lookahead-W0N4G3 | all |" in result.stdout
     assert "Every output was token-identical" in result.stdout
+    assert "drafts lookahead-W2N3G2: fed " in result.stdout and "drafts lookahead-W0N4G3: fed " in result.stdout
     profile = next(line for line in result.stdout.splitlines() if line.startswith("profile lookahead-W2N3G2:"))
     assert all(f" {phase} " in profile for phase in ("forward", "inputs", "plan", "verify", "commit", "prefill"))
 
@@ -77,7 +78,7 @@ def test_bench_two_turns_and_a_user_jsonl(tiny_dir, tmp_path):
     result = run("bench", "--model", tiny_dir, "--dataset", str(data), "--max-new-tokens", "6",
                  "--baselines", "greedy,plain", "--out", str(tmp_path / "b"))
     assert result.returncode == 0, result.stderr
-    results = check_results(tmp_path / "b", {"greedy", "plain", "lookahead-W0N4G5", "lookahead-W5N4G5"}, 2)
+    results = check_results(tmp_path / "b", {"greedy", "plain", "lookahead-auto", "lookahead-W5N4G5"}, 2)
     assert {r["category"] for r in results["runs"]} == {"mine", "count"}
 
 
@@ -120,7 +121,7 @@ def test_bench_bad_options(args, message):
 def test_bench_on_the_default_model(tmp_path):
     result = run("bench", "--dataset", "humaneval", "--limit", "2", "--max-new-tokens", "16", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
-    check_results(tmp_path, {"greedy", "pld", "plain", "lookahead-W0N4G5", "lookahead-W5N4G5"}, 2)
+    check_results(tmp_path, {"greedy", "pld", "plain", "lookahead-auto", "lookahead-W5N4G5"}, 2)
 
 
 def test_bench_with_sampling(tiny_dir, tmp_path):

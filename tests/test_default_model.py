@@ -7,12 +7,13 @@ import torch
 from conftest import reference_greedy
 
 from lookahead import LookaheadConfig, generate
+from lookahead.config import AUTO_CONFIG
 from lookahead.prompts import encode_prompt
 from lookahead.workloads import load_workload
 
 pytestmark = pytest.mark.slow
 
-CONFIGS = [LookaheadConfig(), LookaheadConfig(window=3, ngram=3, guesses=3), LookaheadConfig(window=4, ngram=5, guesses=2)]
+CONFIGS = [AUTO_CONFIG, LookaheadConfig(), LookaheadConfig(window=4, ngram=5, guesses=2, suffix=16)]
 PROMPTS = load_workload("mt_bench")[::10] + load_workload("humaneval")[::27] + load_workload("gsm8k")[::200]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from conftest import FAMILIES, make_tiny_model, reference_greedy
@@ -9,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lookahead import LookaheadConfig, generate
+from lookahead.core.drafts import Draft
 from lookahead.core.layout import build_guess_tree, step_layout
 from lookahead.hf import HFModelRunner
 
@@ -74,7 +77,7 @@ def test_step_predictions_equal_plain_forward(tiny_model):
     prompt = random_prompt(40, 5)[0]
     cache = runner.new_cache()
     runner.prefill(cache, prompt[:-1])
-    layout = step_layout(3, 4, build_guess_tree([(9, 8, 7), (9, 6, 5), (4, 3, 2)], 3))
+    layout = step_layout(3, 4, build_guess_tree([(9, 8, 7), (9, 6, 5), (4, 3, 2)]))
     tokens = torch.randint(3, 128, (layout.size,), generator=torch.Generator().manual_seed(6))
     tokens[0] = prompt[-1]
     past = cache.get_seq_length()
@@ -94,7 +97,7 @@ def test_commit_leaves_exactly_the_committed_tokens_in_the_cache(llama_tiny, pro
     prompt = random_prompt(prompt_length, 7)[0]
     cache = runner.new_cache()
     runner.prefill(cache, prompt[:-1])
-    tree = build_guess_tree([(9, 8, 7), (9, 6, 5)], 3)
+    tree = build_guess_tree([(9, 8, 7), (9, 6, 5)])
     layout = step_layout(2, 3, tree)
     tokens = torch.randint(3, 128, (layout.size,), generator=torch.Generator().manual_seed(8))
     tokens[0] = prompt[-1]
@@ -174,18 +177,47 @@ def prompts(draw) -> list[int]:
     return text
 
 
+class NoisyOracle:
+    """A draft source that copies the reference output with random errors at random depths: drafts of any
+    length, some accepted in full, some in part, some not at all."""
+
+    name = "oracle"
+
+    def __init__(self, reference: list[int], seed: int) -> None:
+        self.reference = reference
+        self.rng = random.Random(seed)
+
+    def propose(self, text, limit):
+        truth = self.reference[len(text) : len(text) + limit]
+        drafts = []
+        for _ in range(self.rng.randint(0, 3)):
+            draft = truth[: self.rng.randint(1, limit)] or [self.rng.randrange(3, 128)]
+            if self.rng.random() < 0.6:
+                draft[self.rng.randrange(len(draft))] = self.rng.randrange(3, 128)
+            drafts.append(Draft(tuple(draft), self.name, self.rng.randint(1, 16)))
+        return drafts
+
+    def observe(self, text, new):
+        pass
+
+
 @given(
     family=st.sampled_from(FAMILIES),
     prompt=prompts(),
     window=st.integers(0, 7),
     ngram=st.integers(2, 6),
     guesses=st.integers(0, 7),
+    suffix=st.sampled_from([0, 1, 8, 32]),
+    budget=st.booleans(),
+    oracle_seed=st.none() | st.integers(0, 2**16),
     max_new_tokens=st.integers(1, 48),
     data=st.data(),
 )
-def test_fuzz_identical_to_greedy(family, prompt, window, ngram, guesses, max_new_tokens, data):
-    """Every tested family x random (W, N, G) x random prompt, length and EOS ids, greedy: token-identical
-    to transformers' `generate`. Examples: 50 in the quick tier, 1,000 in the full one (conftest)."""
+def test_fuzz_identical_to_greedy(family, prompt, window, ngram, guesses, suffix, budget, oracle_seed,
+                                  max_new_tokens, data):
+    """Every tested family x random (W, N, G), suffix source and budget x random drafts of random lengths x
+    random prompt, length and EOS ids, greedy: token-identical to transformers' `generate`. Examples: 50 in
+    the quick tier, 1,000 in the full one (conftest)."""
     model = _cached_model(family)
     ids = torch.tensor([prompt])
     free_run = reference_greedy(model, ids, max_new_tokens, eos_token_id=[])[0, len(prompt):].tolist()
@@ -195,8 +227,9 @@ def test_fuzz_identical_to_greedy(family, prompt, window, ngram, guesses, max_ne
     if eos_choice == "from output":
         eos = data.draw(st.lists(st.sampled_from(free_run + [0]), min_size=1, max_size=3, unique=True), label="eos ids")
     expected = reference_greedy(model, ids, max_new_tokens, eos_token_id=eos)
-    config = LookaheadConfig(window=window, ngram=ngram, guesses=guesses)
-    out = generate(model, ids, max_new_tokens=max_new_tokens, config=config, eos_token_id=eos)
+    config = LookaheadConfig(window=window, ngram=ngram, guesses=guesses, suffix=suffix, budget=budget)
+    oracle = [] if oracle_seed is None else [NoisyOracle(prompt + free_run, oracle_seed)]
+    out = generate(model, ids, max_new_tokens=max_new_tokens, config=config, eos_token_id=eos, proposers=oracle)
     assert out.sequences.tolist() == expected.tolist()
 
 
@@ -209,14 +242,14 @@ def _cached_model(family: str) -> torch.nn.Module:
     return _MODELS[family]
 
 
-def test_default_config_follows_the_device(llama_tiny):
-    from lookahead.generation import CPU_CONFIG, default_config
+def test_default_config_is_the_automatic_one(llama_tiny):
+    from lookahead.config import AUTO_CONFIG
 
-    assert default_config(llama_tiny) == CPU_CONFIG
     prompt = random_prompt(20, 19)
     implicit = generate(llama_tiny, prompt, max_new_tokens=30)
-    explicit = generate(llama_tiny, prompt, max_new_tokens=30, config=CPU_CONFIG)
-    assert implicit.stats.accepted_per_step == explicit.stats.accepted_per_step
+    explicit = generate(llama_tiny, prompt, max_new_tokens=30, config=AUTO_CONFIG)
+    assert implicit.sequences.tolist() == explicit.sequences.tolist() == reference_greedy(llama_tiny, prompt, 30).tolist()
+    assert implicit.stats.accepted_per_step == explicit.stats.accepted_per_step  # the same cached cost curve
 
 
 @pytest.mark.parametrize("packed_linear", [True, False])

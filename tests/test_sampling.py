@@ -15,7 +15,7 @@ import lookahead.sampling
 from lookahead import LookaheadConfig, generate
 from lookahead.core.verify import sample_choice
 
-CONFIG = LookaheadConfig(window=3, ngram=3, guesses=4)
+CONFIG = LookaheadConfig(window=3, ngram=3, guesses=4, suffix=8)  # the suffix source: ragged trees
 
 
 def wrong_choice(scores, candidates, generator=None):

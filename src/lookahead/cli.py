@@ -18,12 +18,13 @@ from transformers.utils import logging as hf_logging
 from .baseline import hf_generate
 from .bench.cost import sweep
 from .bench.report import (
-    divergence_table, fit_log_line, profile_line, summary_table, write_benchmark, write_cost, write_sweep,
+    divergence_table, drafts_line, fit_log_line, profile_line, summary_table, write_benchmark, write_cost,
+    write_sweep,
 )
 from .bench.runner import environment, run_benchmark, standard_methods, summarize
-from .config import LookaheadConfig
+from .config import AUTO_CONFIG, LookaheadConfig
 from .costs import forward_cost
-from .generation import ACCELERATOR_CONFIG, check_request, default_config, generate
+from .generation import check_request, generate
 from .hf import HFModelRunner
 from .models import DTYPES, ModelLoadError, load_model
 from .prompts import encode_prompt
@@ -69,11 +70,12 @@ def _sampling_options(
     return options
 
 
-def _config(window: int | None, ngram: int | None, guesses: int | None) -> LookaheadConfig | None:
-    """None (the device's default) when no option is given; else the given values over the defaults."""
-    if window is None and ngram is None and guesses is None:
+def _config(window: int | None, ngram: int | None, guesses: int | None, suffix: int | None) -> LookaheadConfig | None:
+    """None (the automatic config) when no option is given; else the given values over the defaults."""
+    given = {k: v for k, v in {"window": window, "ngram": ngram, "guesses": guesses, "suffix": suffix}.items()
+             if v is not None}
+    if not given:
         return None
-    given = {k: v for k, v in {"window": window, "ngram": ngram, "guesses": guesses}.items() if v is not None}
     try:
         return LookaheadConfig(**given)
     except ValueError as error:
@@ -90,6 +92,7 @@ def generate_command(
     window: Annotated[Optional[int], typer.Option(help="W: lookahead window columns (0: off).")] = None,
     ngram: Annotated[Optional[int], typer.Option(help="N: n-gram size (>= 2).")] = None,
     guesses: Annotated[Optional[int], typer.Option(help="G: n-grams verified per step (0: off).")] = None,
+    suffix: Annotated[Optional[int], typer.Option(help="Longest suffix-source draft (0: off).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
     compare: Annotated[bool, typer.Option("--compare", help="Also run plain model.generate and compare.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
@@ -101,9 +104,10 @@ def generate_command(
 ) -> None:
     """Generate text with lookahead decoding, streaming it to the terminal.
 
-    Without --window/--ngram/--guesses the config fitted to the model's device is used; any of them given
-    overrides LookaheadConfig's defaults (W=5, N=4, G=5)."""
-    config = _config(window, ngram, guesses)
+    Without --window/--ngram/--guesses/--suffix the automatic config is used (every draft source, each
+    step sized to the measured forward cost); any of them given overrides LookaheadConfig's defaults
+    (W=5, N=4, G=5, no suffix source, no budget)."""
+    config = _config(window, ngram, guesses, suffix)
     if not prompt:
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty)
@@ -165,9 +169,11 @@ OutOption = Annotated[Optional[Path], typer.Option("--out", help="Folder for res
 
 
 def _parse_config(text: str) -> LookaheadConfig:
+    if text.strip() == "auto":
+        return AUTO_CONFIG
     parts = text.split(",")
     if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
-        raise typer.BadParameter(f"expected W,N,G (three integers), got {text!r}", param_hint="--config")
+        raise typer.BadParameter(f"expected W,N,G (three integers) or auto, got {text!r}", param_hint="--config")
     window, ngram, guesses = (int(p) for p in parts)
     try:
         return LookaheadConfig(window=window, ngram=ngram, guesses=guesses)
@@ -215,7 +221,7 @@ def bench_command(
     turns: Annotated[int, typer.Option(min=1, max=2, help="User turns of multi-turn data.")] = 1,
     raw: Annotated[bool, typer.Option("--raw", help="No chat template (HumanEval: raw completion).")] = False,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
-    config: Annotated[Optional[list[str]], typer.Option("--config", help="Lookahead W,N,G; repeat for several (default: the device's config and 5,4,5).")] = None,
+    config: Annotated[Optional[list[str]], typer.Option("--config", help="Lookahead W,N,G or auto; repeat for several (default: auto and 5,4,5).")] = None,
     baselines: Annotated[str, typer.Option(help="Comma list from greedy, pld, plain (empty: none).")] = "greedy,pld,plain",
     model: ModelOption = None,
     gguf_file: GgufOption = None,
@@ -246,8 +252,8 @@ def bench_command(
         del sampling["do_sample"]
         sampling["seed"] = seed
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
-    if configs is None:  # the device's default, and the paper's regime beside it
-        configs = list(dict.fromkeys([default_config(lm), ACCELERATOR_CONFIG]))
+    if configs is None:  # the automatic config, and the paper's fixed W5 N4 G5 beside it
+        configs = [AUTO_CONFIG, LookaheadConfig()]
     methods = standard_methods(configs, names, sampling=sample)
     console = Console(stderr=True)
     total = len(methods) * sum(len(p.turns) for p in prompts)
@@ -265,6 +271,8 @@ def bench_command(
     print(summary_table(rows))
     print("\n" + divergence_table(runs))
     print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
+    for method in (m for m in methods if m.kind == "lookahead"):
+        print(drafts_line(method.name, [r for r in runs if r.method == method.name]))
     if profile:
         for row in (r for r in rows if r.category == "all" and r.overhead_fraction is not None):
             print(profile_line(row, [r for r in runs if r.method == row.method]))

@@ -16,6 +16,11 @@ class LookaheadConfig:
     seed_from_prompt: put the prompt's own n-grams into the pool before the first step.
     learn_from_output: put the n-grams of the committed output into the pool as they appear.
     seed: seed for the random prompt tokens that start the window.
+    suffix:  the longest draft of the suffix source, which continues the longest earlier occurrences of
+             the text's end in the prompt, the output and a shared corpus (0 turns it off).
+    budget:  size each step to the model's measured forward cost: keep the draft-tree nodes that maximise
+             expected tokens per second (at most 64) and give the window (at most `window` columns)
+             rows only where they are nearly free. False: feed every draft and the whole window.
     """
 
     window: int = 5
@@ -24,12 +29,15 @@ class LookaheadConfig:
     seed_from_prompt: bool = True
     learn_from_output: bool = True
     seed: int = 0
+    suffix: int = 0
+    budget: bool = False
 
     def __post_init__(self) -> None:
         _check_int("window", self.window, 0, "an integer >= 0 (0 disables the lookahead branch)")
         _check_int("ngram", self.ngram, 2, "an integer >= 2")
         _check_int("guesses", self.guesses, 0, "an integer >= 0 (0 disables verification)")
-        for name in ("seed_from_prompt", "learn_from_output"):
+        _check_int("suffix", self.suffix, 0, "an integer >= 0 (0 disables the suffix source)")
+        for name in ("seed_from_prompt", "learn_from_output", "budget"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LookaheadConfig.{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("seed", self.seed, 0, "an integer >= 0")
@@ -39,8 +47,20 @@ class LookaheadConfig:
         """Levels of the lookahead window (Jacobi iterations kept)."""
         return self.ngram - 1
 
+    @property
+    def label(self) -> str:
+        """Short name in reports: W5N4G5, W0N4G5S32, auto (the default) or W5N4G5S32-budget."""
+        if self == AUTO_CONFIG:
+            return "auto"
+        return f"W{self.window}N{self.ngram}G{self.guesses}" + (f"S{self.suffix}" if self.suffix else "") + (
+            "-budget" if self.budget else "")
+
 
 
 def _check_int(name: str, value: object, minimum: int, allowed: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"LookaheadConfig.{name} must be {allowed}, got {value!r}")
+
+
+# What `config=None` means: every source, each step sized to the device's measured cost curve.
+AUTO_CONFIG = LookaheadConfig(window=5, ngram=4, guesses=5, suffix=32, budget=True)

@@ -9,22 +9,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessor, PreTrainedModel
 
-from .config import LookaheadConfig
+from .config import AUTO_CONFIG, LookaheadConfig
 from .core.decoder import LookaheadDecoder
+from .core.drafts import Proposer
+from .core.suffix import Corpus
+from .costs import cost_curve
 from .hf import HFModelRunner, context_length, vocabulary_size
 from .sampling import decoding_rule
-
-# Where extra tokens in a step are nearly free (GPUs), the paper's regime: a 5x3 window and 5 guesses.
-ACCELERATOR_CONFIG = LookaheadConfig()
-# On CPU a step of k > 1 tokens costs 1.3x (k=2..4) to 1.8x (k=16) a one-token step (`lookahead bench
-# cost`), and the Jacobi window's extra n-grams do not pay for their rows: n-grams from the prompt and
-# the output alone, verified as one token tree, measured fastest (docs/benchmarks.md).
-CPU_CONFIG = LookaheadConfig(window=0, ngram=4, guesses=5)
-
-
-def default_config(model: PreTrainedModel) -> LookaheadConfig:
-    """The config that `config=None` means: fitted to the device the model is on."""
-    return CPU_CONFIG if model.device.type == "cpu" else ACCELERATOR_CONFIG
 
 
 @dataclass
@@ -35,6 +26,8 @@ class GenerationStats:
     forward_seconds: float = 0.0  # inside the model's forward (prefill included); the rest is our overhead
     tokens_fed: int = 0  # tokens fed to the model over all steps (the per-step FLOPs budget)
     accepted_per_step: list[int] = field(default_factory=list, repr=False)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted guess tokens per draft source
+    window: int = 0  # columns of the lookahead window the step fed (the budget's choice under `budget`)
     # Where the time went: prefill; per step, plan (pool lookup, guess tree, layout), inputs (mask,
     # positions), forward (the model), verify (verification, window and pool update), commit (cache);
     # other: the rest (the loop itself, streamer).
@@ -57,6 +50,8 @@ class GenerationStats:
             "tokens_per_second": self.tokens_per_second,
             "forward_seconds": self.forward_seconds,
             "tokens_fed": self.tokens_fed,
+            "accepted_by_source": dict(self.accepted_by_source),
+            "window": self.window,
             "phase_seconds": dict(self.phase_seconds),
         }
 
@@ -82,13 +77,18 @@ def generate(
     repetition_penalty: float | None = None,
     logits_processor: Sequence[LogitsProcessor] | None = None,
     generator: torch.Generator | None = None,
+    corpus: Corpus | None = None,
+    proposers: Sequence[Proposer] = (),
 ) -> GenerateOutput:
     """Decoding with lookahead. Greedy (the default) gives `model.generate(do_sample=False)`'s output token
     for token; sampling (`do_sample=True`) draws from the same distribution as `model.generate(do_sample=True)`
     with the same options (docs/sampling.md). Unset sampling options come from the model's generation
     config, as in `generate`; `temperature=0` means greedy; `generator` seeds the sampling.
 
-    config: None picks `default_config(model)`, fitted to the device.
+    config: None means `AUTO_CONFIG`: the n-gram pool, the window and the suffix source, each step sized to
+    the model's forward cost on this device (measured once, cached). corpus: text shared across calls; the
+    suffix source drafts from it, and this call's prompt and output are added to it at the end.
+    proposers: more draft sources (`lookahead.core.drafts.Proposer`), merged into the same tree.
     input_ids: [1, n] or [n] token ids (batch size 1). eos_token_id: one id or several; None takes the
     model's generation config. streamer: any transformers streamer; it gets the prompt, then every
     committed token. packed_linear: run the model's linear layers on oneDNN-prepacked weights (CPU
@@ -98,14 +98,18 @@ def generate(
         raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")
     runner = HFModelRunner(model, packed_linear=packed_linear)
     prompt = check_request(model, input_ids, max_new_tokens)
-    config = default_config(model) if config is None else config
+    config = AUTO_CONFIG if config is None else config
+    if corpus is not None and not isinstance(corpus, Corpus):
+        raise TypeError(f"corpus must be a lookahead Corpus or None, got {type(corpus).__name__}")
     rule = decoding_rule(model, do_sample, temperature, top_k, top_p, repetition_penalty, logits_processor, generator)
     stop_ids = _eos_ids(model, eos_token_id)
 
     start = time.perf_counter()
     stats = GenerationStats()
     lap = _Laps(stats.phase_seconds)
-    decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform)
+    decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform, corpus=corpus,
+                               cost=cost_curve(runner) if config.budget else None, proposers=proposers)
+    stats.window = decoder.window.width
     cache = runner.new_cache()
     if prompt.numel() > 1:
         runner.prefill(cache, prompt[:-1])
@@ -143,6 +147,9 @@ def generate(
         streamer.end()
     lap("other")
     stats.new_tokens = len(generated)
+    stats.accepted_by_source = dict(decoder.accepted_by_source)
+    if corpus is not None:
+        corpus.add(prompt.tolist() + generated)
     stats.seconds = time.perf_counter() - start
     stats.forward_seconds = runner.forward_seconds
     stats.phase_seconds["forward"] = runner.forward_seconds - prefill_forward

@@ -51,6 +51,21 @@ def profile_line(row: Summary, runs: list[Run]) -> str:
     )
 
 
+def drafts_line(method: str, runs: list[Run]) -> str:
+    """What one of our methods fed and where its accepted guess tokens came from."""
+    steps = sum(r.steps for r in runs)
+    sources: dict[str, int] = {}
+    for r in runs:
+        for source, count in (r.accepted_by_source or {}).items():
+            sources[source] = sources.get(source, 0) + count
+    accepted = sum(sources.values())
+    shares = ", ".join(f"{s} {100 * n / accepted:.0f}%" for s, n in sorted(sources.items(), key=lambda i: -i[1]))
+    windows = sorted({r.window for r in runs if r.window is not None})
+    return (f"drafts {method}: fed {sum(r.tokens_fed or 0 for r in runs) / steps:.1f} tokens/step, window "
+            f"{'/'.join(map(str, windows))} columns; accepted guess tokens {accepted / steps:.2f}/step"
+            + (f" by source: {shares}" if accepted else ""))
+
+
 def divergence_table(runs: list[Run]) -> str:
     """Every output that differs from transformers' `generate`, with how close to a tie it diverged."""
     if all(r.identical is None for r in runs):

@@ -25,7 +25,7 @@ PLD_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 
 @dataclass(frozen=True)
 class Method:
-    name: str  # shown in the report: "greedy" (or "sample"), "pld", "plain", "lookahead-W{w}N{n}G{g}"
+    name: str  # shown in the report: "greedy" (or "sample"), "pld", "plain", "lookahead-{config label}"
     kind: str  # "generate" (transformers), "pld" (transformers' prompt lookup), "plain" or "lookahead" (ours)
     config: LookaheadConfig | None = None
 
@@ -36,7 +36,7 @@ def standard_methods(
     """`baselines` from "greedy" (transformers' generate; shown as "sample" when sampling), "pld", "plain"."""
     kinds = {"greedy": "generate", "pld": "pld", "plain": "plain"}
     methods = [Method("sample" if sampling and b == "greedy" else b, kinds[b]) for b in baselines]
-    methods += [Method(f"lookahead-W{c.window}N{c.ngram}G{c.guesses}", "lookahead", c) for c in configs]
+    methods += [Method(f"lookahead-{c.label}", "lookahead", c) for c in configs]
     return methods
 
 
@@ -60,6 +60,8 @@ class Run:
     median_gap: float | None = None
     dtype_spacing: float | None = None
     phase_seconds: dict[str, float] | None = None  # ours only: see `GenerationStats.phase_seconds`
+    accepted_by_source: dict[str, int] | None = None  # ours only: accepted guess tokens per draft source
+    window: int | None = None  # ours only: the window columns fed
 
     @property
     def tokens_per_step(self) -> float:
@@ -82,8 +84,9 @@ class _ForwardCounter:
 
 def run_method(
     model: PreTrainedModel, method: Method, input_ids: torch.Tensor, max_new_tokens: int, sampling: dict | None = None
-) -> tuple[list[int], int, float, float | None, int | None, dict[str, float] | None]:
-    """(new tokens, steps, seconds, forward seconds, tokens fed, phase seconds) of one method on one prompt.
+) -> tuple[list[int], int, float, float | None, int | None, dict[str, float] | None, dict[str, int] | None, int | None]:
+    """(new tokens, steps, seconds, forward seconds, tokens fed, phase seconds, accepted tokens by source,
+    window columns) of one method on one prompt; the last four are None for transformers' methods.
     sampling: None for greedy, else do_sample options (temperature, top_k, top_p, seed)."""
     prompt_len = input_ids.shape[1]
     options = dict(sampling or {})
@@ -94,7 +97,8 @@ def run_method(
             options.update(do_sample=True, generator=torch.Generator().manual_seed(seed))
         out = generate(model, input_ids, max_new_tokens=max_new_tokens, config=config, **options)
         s = out.stats
-        return out.sequences[0, prompt_len:].tolist(), s.steps, s.seconds, s.forward_seconds, s.tokens_fed, s.phase_seconds
+        return (out.sequences[0, prompt_len:].tolist(), s.steps, s.seconds, s.forward_seconds, s.tokens_fed,
+                s.phase_seconds, s.accepted_by_source, s.window)
     if method.kind == "pld":
         options["prompt_lookup_num_tokens"] = PLD_TOKENS
     if sampling is not None:
@@ -105,7 +109,7 @@ def run_method(
         sequences, seconds = hf_generate(model, input_ids, max_new_tokens, **options)
     finally:
         counter.close()
-    return sequences[0, prompt_len:].tolist(), counter.calls, seconds, None, None, None
+    return sequences[0, prompt_len:].tolist(), counter.calls, seconds, None, None, None, None, None
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
@@ -173,14 +177,14 @@ def run_benchmark(
             compare = baseline is not None and sampling is None
             reference = outputs[baseline or methods[0]][0]
             for method in methods:
-                tokens, steps, seconds, forward_seconds, tokens_fed, phases = outputs[method]
+                tokens, steps, seconds, forward_seconds, tokens_fed, phases, sources, window = outputs[method]
                 difference = _first_difference(tokens, reference) if compare else None
                 gaps = (None, None, None)
                 if difference is not None and difference < min(len(tokens), len(reference)):
                     gaps = ties.gaps(input_ids, reference, tokens, difference)
                 run = Run(
                     prompt.id, prompt.category, turn, method.name, len(tokens), steps, seconds, forward_seconds,
-                    tokens_fed, difference is None if compare else None, difference, *gaps, phases,
+                    tokens_fed, difference is None if compare else None, difference, *gaps, phases, sources, window,
                 )
                 runs.append(run)
                 if on_run is not None:

@@ -7,20 +7,27 @@ Framework-free: the caller runs the model on `StepPlan.tokens` at `last_position
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..config import LookaheadConfig
-from .layout import GuessTree, StepLayout, build_guess_tree, step_layout
-from .pool import NGramPool
+from .drafter import AcceptanceStats, merge_drafts, window_width
+from .drafts import Draft, Proposer
+from .layout import GuessTree, StepLayout, step_layout
+from .pool import NGramPool, PoolProposer
+from .suffix import Corpus, SuffixProposer
 from .verify import ROOT, ChooseRule, greedy_choice, verify_greedy, walk_tree
 from .window import LookaheadWindow
 
 # Scores a node's logits given the token ids before it ([1, L], [1, V] -> [1, V]), like a transformers
 # LogitsProcessor; None leaves the logits as they are.
 LogitsTransform = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Relative cost of a step that feeds k tokens (k -> T(k) / T(1)).
+StepCost = Callable[[int], float]
+MAX_TREE_NODES = 64  # the most guess nodes a budgeted step feeds (the measured cost curve's range)
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,8 @@ class StepPlan:
     tokens: torch.Tensor  # [q] long, in layout row order
     layout: StepLayout
     tree: GuessTree
+    drafts: list[Draft]  # every source's drafts this step, fed or not
+    sources: tuple[str, ...]  # per tree node: the source it was fed for
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,9 @@ class StepResult:
 
 class LookaheadDecoder:
     """choose: how a node's next token is picked (None: argmax); transform: applied to each node's logits
-    first, with the committed tokens before that node (None: none)."""
+    first, with the committed tokens before that node (None: none). corpus: earlier requests' text for the
+    suffix source. cost: the step cost curve that sizes the tree and the window when `config.budget` is set.
+    proposers: more draft sources, after the pool and the suffix source."""
 
     def __init__(
         self,
@@ -46,28 +57,44 @@ class LookaheadDecoder:
         prompt: list[int],
         choose: ChooseRule | None = None,
         transform: LogitsTransform | None = None,
+        corpus: Corpus | None = None,
+        cost: StepCost | None = None,
+        proposers: Sequence[Proposer] = (),
     ) -> None:
+        if config.budget and cost is None:
+            raise ValueError("a budgeted config needs the step cost curve (cost=)")
         self.config = config
         self.choose = choose
         self.transform = transform
+        self.cost = cost if config.budget else None
         self.pool = NGramPool(config.ngram, config.guesses)
-        if config.seed_from_prompt:
-            self.pool.add_all(prompt)
-        self.sequence = list(prompt)  # committed so far, for the n-grams of the output
-        rng = random.Random(config.seed)
-        self.window = LookaheadWindow(rng.choices(prompt, k=config.window), config.levels)
+        pool = PoolProposer(self.pool)
+        suffix = [SuffixProposer(corpus)] if config.suffix else []
+        self.proposers: list[Proposer] = [pool, *suffix, *proposers]
+        self._learn_from_prompt = [pool] * config.seed_from_prompt + self.proposers[1:]
+        self._learn_from_output = [pool] * config.learn_from_output + self.proposers[1:]
+        self.stats = AcceptanceStats()
+        self.accepted_by_source: Counter[str] = Counter()
+        self.sequence = list(prompt)  # committed so far
+        for proposer in self._learn_from_prompt:
+            proposer.observe(self.sequence, len(self.sequence))
+        width = window_width(self.cost, config.window, config.levels) if self.cost else config.window
+        self.window = LookaheadWindow(random.Random(config.seed).choices(prompt, k=width), config.levels)
 
     def plan(self) -> StepPlan:
-        """The next step's input: the last committed token, the window, and the guesses for what follows."""
-        last_token = self.sequence[-1]
-        continuations = self.pool.continuations(self.sequence)
-        tree = build_guess_tree(continuations, self.config.ngram - 1)
-        layout = step_layout(len(self.window.levels), self.window.width, tree)
-        tokens = torch.tensor([last_token] + self.window.tokens + tree.tokens)
-        return StepPlan(tokens, layout, tree)
+        """The next step's input: the last committed token, the window, and the tree of drafts that follow."""
+        limit = max(self.config.ngram - 1, self.config.suffix)
+        drafts = [draft for proposer in self.proposers for draft in proposer.propose(self.sequence, limit)]
+        window_tokens = self.window.tokens
+        merged = merge_drafts(drafts, self.stats, self.cost, 1 + len(window_tokens),
+                              MAX_TREE_NODES if self.cost else None)
+        layout = step_layout(len(self.window.levels), self.window.width, merged.tree)
+        tokens = torch.tensor([self.sequence[-1]] + window_tokens + merged.tree.tokens)
+        return StepPlan(tokens, layout, merged.tree, drafts, merged.sources)
 
     def update(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
-        """logits: [len(plan.layout.logit_rows), vocab], the model's outputs at those rows in order."""
+        """Verify, commit and learn. logits: [len(plan.layout.logit_rows), vocab], the model's outputs at
+        those rows in order."""
         width = plan.layout.window_rows.numel()
         if self.choose is None and self.transform is None:
             predictions = logits.argmax(dim=-1)
@@ -80,7 +107,11 @@ class LookaheadDecoder:
         if width:
             for ngram in self.window.advance(window_outputs):
                 self.pool.add(ngram)
-        self._learn_from_output(verdict.tokens)
+        self.stats.record(plan.drafts, verdict.tokens)
+        self.accepted_by_source.update(plan.sources[node] for node in verdict.nodes)
+        self.sequence.extend(verdict.tokens)
+        for proposer in self._learn_from_output:
+            proposer.observe(self.sequence, len(verdict.tokens))
         kept = torch.tensor([0] + [plan.layout.tree_start + node for node in verdict.nodes], dtype=torch.long)
         return StepResult(verdict.tokens, kept)
 
@@ -90,12 +121,3 @@ class LookaheadDecoder:
             return row
         context = torch.tensor(self.sequence + accepted, device=logits.device).view(1, -1)
         return self.transform(context, row.view(1, -1))[0]
-
-    def _learn_from_output(self, committed: list[int]) -> None:
-        """Pool the n-grams that end in the newly committed tokens (repetitions within the output)."""
-        self.sequence.extend(committed)
-        if not self.config.learn_from_output:
-            return
-        n, end = self.config.ngram, len(self.sequence)
-        for stop in range(max(n, end - len(committed) + 1), end + 1):
-            self.pool.add_at(self.sequence, stop - n)

@@ -37,11 +37,11 @@ class StepLayout:
 class GuessTree:
     tokens: list[int]  # one per node, parents before children
     parents: tuple[int, ...]  # parent node of each node, -1 for children of the last token
-    paths: torch.Tensor  # [G, M] long: node of each guess's t-th token
+    paths: torch.Tensor  # [G, M] long: node of each guess's t-th token, -1 past a guess's end
 
 
-def build_guess_tree(guesses: Sequence[Sequence[int]], guess_len: int) -> GuessTree:
-    """Merge guesses into a prefix tree."""
+def build_guess_tree(guesses: Sequence[Sequence[int]]) -> GuessTree:
+    """Merge guesses of any lengths into a prefix tree; nodes come in the order their prefixes first appear."""
     node_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
     tokens: list[int] = []
     parents: list[int] = []
@@ -57,7 +57,9 @@ def build_guess_tree(guesses: Sequence[Sequence[int]], guess_len: int) -> GuessT
             path.append(node)
             parent = node
         paths.append(path)
-    return GuessTree(tokens, tuple(parents), torch.tensor(paths, dtype=torch.long).view(len(paths), guess_len))
+    longest = max(map(len, paths), default=0)
+    padded = torch.tensor([path + [-1] * (longest - len(path)) for path in paths], dtype=torch.long)
+    return GuessTree(tokens, tuple(parents), padded.view(len(paths), longest))
 
 
 @lru_cache(maxsize=64)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .drafts import Draft
+
 Continuation = tuple[int, ...]
 
 
@@ -48,15 +50,36 @@ class NGramPool:
 
     def continuations(self, text: Sequence[int]) -> list[Continuation]:
         """Up to `capacity` continuations of the text's last token, best-matching context first."""
-        found: list[Continuation] = []
+        return [continuation for continuation, _ in self.ranked(text)]
+
+    def ranked(self, text: Sequence[int]) -> list[tuple[Continuation, int]]:
+        """`continuations`, each with the length of the key it was found under (1 + shared context)."""
+        found: dict[Continuation, int] = {}
         for length in range(min(self.context, len(text)), 0, -1):
             for continuation in self._by_key.get(tuple(text[len(text) - length :]), ()):
                 if continuation not in found:
-                    found.append(continuation)
+                    found[continuation] = length
                     if len(found) == self.capacity:
-                        return found
-        return found
+                        return list(found.items())
+        return list(found.items())
 
     def __len__(self) -> int:
         """Distinct (first token, continuation) pairs held."""
         return sum(len(entries) for key, entries in self._by_key.items() if len(key) == 1)
+
+
+class PoolProposer:
+    """The n-gram pool as a draft source: the continuations filed under the text's last tokens; it files
+    the n-grams that end in newly committed tokens."""
+
+    name = "pool"
+
+    def __init__(self, pool: NGramPool) -> None:
+        self.pool = pool
+
+    def propose(self, text: Sequence[int], limit: int) -> list[Draft]:
+        return [Draft(continuation[:limit], self.name, context) for continuation, context in self.pool.ranked(text)]
+
+    def observe(self, text: Sequence[int], new: int) -> None:
+        for start in range(max(0, len(text) - new - self.pool.ngram + 1), len(text) - self.pool.ngram + 1):
+            self.pool.add_at(text, start)

@@ -28,9 +28,11 @@ def verify_greedy(tree: GuessTree, root_prediction: int, node_predictions: torch
     """Vectorised greedy verification from the argmax at the root and at every tree node."""
     if not tree.tokens:
         return Verdict([root_prediction], [])
-    guesses = torch.tensor(tree.tokens)[tree.paths]  # [G, M]
-    expected = torch.cat([torch.full_like(guesses[:, :1], root_prediction), node_predictions[tree.paths]], dim=1)
-    matched = (guesses == expected[:, :-1]).cumprod(dim=1).sum(dim=1)
+    present = tree.paths >= 0  # guesses are ragged: a path ends at its first -1
+    nodes = tree.paths.clamp(min=0)
+    guesses = torch.tensor(tree.tokens)[nodes]  # [G, M]
+    expected = torch.cat([torch.full_like(guesses[:, :1], root_prediction), node_predictions[nodes]], dim=1)
+    matched = ((guesses == expected[:, :-1]) & present).cumprod(dim=1).sum(dim=1)
     best = int(matched.argmax())
     count = int(matched[best])
     return Verdict(expected[best, : count + 1].tolist(), tree.paths[best, :count].tolist())

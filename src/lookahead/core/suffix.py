@@ -1,0 +1,214 @@
+"""Suffix automata over token sequences: the longest earlier match of a growing text, found in amortised
+O(1) per appended token, and its continuation as a draft of any length."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from .drafts import Draft
+
+
+class SuffixAutomaton:
+    """The suffix automaton of a token sequence that grows at its end (Blumer et al., 1985).
+
+    Each state stands for a set of substrings that end at the same positions; `end[s]` is where the
+    first occurrence of state s's substrings ends, `length[s]` the longest of them, `link[s]` the state of
+    the longest suffix that ends at more positions. Appending a token is amortised O(1).
+    """
+
+    def __init__(self, tokens: Iterable[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self.length = [0]
+        self.link = [-1]
+        self.end = [-1]
+        self.next: list[dict[int, int]] = [{}]
+        self.last = 0  # the state of the whole sequence
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            self.append(token)
+
+    def append(self, token: int) -> None:
+        position = len(self.tokens)
+        self.tokens.append(token)
+        current = self._new_state(self.length[self.last] + 1, position)
+        state = self.last
+        while state != -1 and token not in self.next[state]:
+            self.next[state][token] = current
+            state = self.link[state]
+        if state == -1:
+            self.link[current] = 0
+        else:
+            following = self.next[state][token]
+            if self.length[state] + 1 == self.length[following]:
+                self.link[current] = following
+            else:  # split: the shorter strings of `following` also end here
+                clone = self._new_state(self.length[state] + 1, self.end[following])
+                self.next[clone] = dict(self.next[following])
+                self.link[clone] = self.link[following]
+                while state != -1 and self.next[state].get(token) == following:
+                    self.next[state][token] = clone
+                    state = self.link[state]
+                self.link[following] = self.link[current] = clone
+        self.last = current
+
+    def _new_state(self, length: int, end: int) -> int:
+        self.length.append(length)
+        self.link.append(-1)
+        self.end.append(end)
+        self.next.append({})
+        return len(self.length) - 1
+
+    def earlier_matches(self, most: int) -> list[tuple[int, int]]:
+        """Up to `most` (match length, end position) pairs, longest first: suffixes of the whole sequence
+        that also end at an earlier position, each with the end of its first occurrence."""
+        found: list[tuple[int, int]] = []
+        state = self.link[self.last]
+        while state > 0 and len(found) < most:
+            found.append((self.length[state], self.end[state]))
+            state = self.link[state]
+        return found
+
+
+class MatchCursor:
+    """The longest suffix of a text (fed token by token) that occurs in another sequence's automaton:
+    matching statistics, amortised O(1) per token."""
+
+    def __init__(self, automaton: SuffixAutomaton) -> None:
+        self.automaton = automaton
+        self.state = 0
+        self.length = 0
+
+    def feed(self, tokens: Iterable[int]) -> None:
+        automaton = self.automaton
+        for token in tokens:
+            while self.state > 0 and token not in automaton.next[self.state]:
+                self.state = automaton.link[self.state]
+                self.length = automaton.length[self.state]
+            following = automaton.next[self.state].get(token)
+            if following is None:
+                self.state, self.length = 0, 0
+            else:
+                self.state, self.length = following, self.length + 1
+
+    def matches(self, most: int) -> list[tuple[int, int]]:
+        """Up to `most` (match length, end position in the other sequence), longest first."""
+        found: list[tuple[int, int]] = []
+        state, length = self.state, self.length
+        automaton = self.automaton
+        while state > 0 and len(found) < most:
+            found.append((length, automaton.end[state]))
+            state = automaton.link[state]
+            length = automaton.length[state]
+        return found
+
+
+def continuation(tokens: Sequence[int], end: int, limit: int, stop: int | None = None) -> tuple[int, ...]:
+    """The up to `limit` tokens after position `end`, not reaching `stop` (default: the sequence's end)
+    and not crossing a document separator (a negative token)."""
+    stop = len(tokens) if stop is None else stop
+    out: list[int] = []
+    for token in tokens[end + 1 : min(stop, end + 1 + limit)]:
+        if token < 0:
+            break
+        out.append(token)
+    return tuple(out)
+
+
+# Memory of one token of text in a `SuffixAutomaton` (about two states, each a dict and three list slots),
+# measured with tracemalloc on 100k tokens (tests/test_suffix.py checks it stays an upper bound).
+BYTES_PER_TOKEN = 600
+
+
+class Corpus:
+    """Text shared across `generate` calls, so that a request drafts from earlier requests' prompts and
+    outputs (the same document, the same codebase). Bounded: past `max_megabytes` the oldest documents
+    are dropped first. Documents are kept apart by separators, so no match crosses two of them."""
+
+    def __init__(self, max_megabytes: float = 64.0) -> None:
+        if isinstance(max_megabytes, bool) or not isinstance(max_megabytes, (int, float)) or max_megabytes <= 0:
+            raise ValueError(f"max_megabytes must be a number > 0, got {max_megabytes!r}")
+        self.max_tokens = int(max_megabytes * 2**20 / BYTES_PER_TOKEN)
+        self._documents: deque[tuple[int, ...]] = deque()
+        self.automaton = SuffixAutomaton()
+        self.version = 0  # changes whenever the automaton is replaced or grows
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Add one document (token ids); the oldest ones go if the corpus outgrows its cap."""
+        document = tuple(tokens[-self.max_tokens + 1 :]) if len(tokens) >= self.max_tokens else tuple(tokens)
+        self._documents.append(document)
+        if len(self.automaton) + len(document) + 1 > self.max_tokens:
+            while sum(len(d) + 1 for d in self._documents) > self.max_tokens:
+                self._documents.popleft()
+            self._rebuild()
+        else:
+            self._append(document)
+        self.version += 1
+
+    def clear(self) -> None:
+        self._documents.clear()
+        self._rebuild()
+        self.version += 1
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held, separators included."""
+        return len(self.automaton)
+
+    def __len__(self) -> int:
+        """Documents held."""
+        return len(self._documents)
+
+    def _append(self, document: tuple[int, ...]) -> None:
+        self.automaton.append(-1 - len(self.automaton))  # a separator no other position shares
+        self.automaton.extend(document)
+
+    def _rebuild(self) -> None:
+        self.automaton = SuffixAutomaton()
+        for document in self._documents:
+            self._append(document)
+
+
+class SuffixProposer:
+    """Drafts from the longest earlier occurrences of the text's end: in the text itself (prompt and
+    output so far) and, with a corpus, in earlier requests. Several branches, longest match first; each
+    draft is the continuation of one occurrence, up to the step's limit."""
+
+    name = "suffix"
+
+    def __init__(self, corpus: Corpus | None = None, branches: int = 3) -> None:
+        self.own = SuffixAutomaton()
+        self.corpus = corpus
+        self.branches = branches
+        self._cursor: MatchCursor | None = None
+        self._corpus_version = -1
+
+    def observe(self, text: Sequence[int], new: int) -> None:
+        tokens = text[len(text) - new :]
+        self.own.extend(tokens)
+        if self.corpus is None:
+            return
+        if self._corpus_version != self.corpus.version:  # a new or rebuilt corpus: match the text's end afresh
+            self._cursor = MatchCursor(self.corpus.automaton)
+            self._corpus_version = self.corpus.version
+            tokens = text[-64:]
+        self._cursor.feed(tokens)
+
+    def propose(self, text: Sequence[int], limit: int) -> list[Draft]:
+        drafts: list[Draft] = []
+        seen: set[tuple[int, ...]] = set()
+        found = [(self.own.tokens, length, end, "suffix") for length, end in self.own.earlier_matches(self.branches)]
+        if self._cursor is not None:
+            found += [(self.corpus.automaton.tokens, length, end, "corpus")
+                      for length, end in self._cursor.matches(self.branches)]
+        for tokens, length, end, source in sorted(found, key=lambda f: -f[1]):
+            draft = continuation(tokens, end, limit)
+            if draft and draft not in seen:
+                seen.add(draft)
+                drafts.append(Draft(draft, source, length))
+        return drafts

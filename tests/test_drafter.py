@@ -1,0 +1,94 @@
+"""The drafter: acceptance statistics, the merge of drafts into one tree, and the budget it keeps to."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lookahead.core.drafter import AcceptanceStats, merge_drafts, window_width
+from lookahead.core.drafts import Draft
+
+
+def test_stats_score_each_draft_as_deep_as_the_committed_tokens_reach():
+    stats = AcceptanceStats()
+    draft = Draft((5, 6, 7, 8), "suffix", context=3)
+    stats.record([draft], [5, 6, 9])  # agrees twice, then differs at depth 3; depth 4 is never scored
+    assert stats.rate(draft, 1) == pytest.approx((1 + 1) / (1 + 2))
+    assert stats.rate(draft, 3) == pytest.approx((0 + 1) / (1 + 2))
+    assert stats.rate(draft, 4) == pytest.approx(0.5)  # the prior alone
+    assert stats.rate(Draft((5,), "suffix", context=2), 1) == pytest.approx(2 / 3)  # contexts 2 and 3 share a bin
+    assert stats.rate(Draft((5,), "suffix", context=4), 1) == pytest.approx(0.5)  # another bin
+    assert stats.rate(Draft((5,), "pool", context=3), 1) == pytest.approx(0.5)  # another source
+    stats.record([Draft((1, 2), "pool")], [3])
+    assert stats.rate(Draft((1, 2), "pool"), 1) == pytest.approx(1 / 3)
+
+
+def test_without_a_cost_every_node_is_kept_and_shared_prefixes_are_merged():
+    drafts = [Draft((1, 2, 3), "pool"), Draft((1, 2, 4, 5), "suffix", 4), Draft((6,), "pool")]
+    merged = merge_drafts(drafts, AcceptanceStats(), None, fixed_rows=1, max_nodes=None)
+    nodes = {tuple(merged.tree.tokens[n] for n in _path(merged.tree.parents, node)) for node in range(len(merged.tree.tokens))}
+    assert nodes == {(1,), (1, 2), (1, 2, 3), (1, 2, 4), (1, 2, 4, 5), (6,)}
+    assert all(parent < node for node, parent in enumerate(merged.tree.parents))
+    assert merged.expected == pytest.approx(0.5 + 0.25 + 0.125 + 0.125 + 0.0625 + 0.5)
+
+
+def test_a_linear_cost_keeps_only_the_nodes_that_pay():
+    drafts = [Draft((1, 2, 3), "pool")]  # prior rates 0.5: nodes accepted with 0.5, 0.25, 0.125
+    cheap = merge_drafts(drafts, AcceptanceStats(), lambda k: 1 + 0.25 * (k - 1), fixed_rows=1, max_nodes=64)
+    assert cheap.tree.tokens == [1]  # 1.5 / 1.25 = 1.2 beats 1.75 / 1.5 and 1 / 1
+    free = merge_drafts(drafts, AcceptanceStats(), lambda k: 1.0, fixed_rows=1, max_nodes=2)
+    assert free.tree.tokens == [1, 2]  # everything pays; the cap stops it
+    dear = merge_drafts(drafts, AcceptanceStats(), lambda k: float(k), fixed_rows=1, max_nodes=64)
+    assert dear.tree.tokens == [] and dear.expected == 0
+
+
+def _path(parents, node):
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+drafts_strategy = st.lists(
+    st.builds(Draft, st.lists(st.integers(0, 2), min_size=1, max_size=4).map(tuple), st.sampled_from(["a", "b"]),
+              st.integers(1, 6)),
+    min_size=1, max_size=4,
+)
+
+
+@given(drafts=drafts_strategy, slope=st.floats(0.0, 1.5), outcomes=st.lists(st.integers(0, 2), max_size=4))
+@settings(max_examples=150)
+def test_the_kept_tree_is_the_best_of_all_subtrees(drafts, slope, outcomes):
+    """Brute force: no prefix-closed set of nodes has a higher (1 + expected) / cost than the one kept."""
+    stats = AcceptanceStats()
+    stats.record(drafts, outcomes)  # some learned rates, so that sources and depths differ
+
+    def cost(k):
+        return 1 + slope * (k - 1)
+
+    merged = merge_drafts(drafts, stats, cost, fixed_rows=1, max_nodes=None)
+    chance = {}
+    for draft in drafts:
+        p = 1.0
+        for depth in range(1, len(draft.tokens) + 1):
+            p *= stats.rate(draft, depth)
+            chance[draft.tokens[:depth]] = max(chance.get(draft.tokens[:depth], 0.0), p)
+    best = 1.0 / cost(1)
+    nodes = list(chance)
+    for size in range(1, len(nodes) + 1):
+        for subset in itertools.combinations(nodes, size):
+            if all(len(n) == 1 or n[:-1] in subset for n in subset):
+                best = max(best, (1 + sum(chance[n] for n in subset)) / cost(1 + size))
+    kept = (1 + merged.expected) / cost(1 + len(merged.tree.tokens))
+    assert kept == pytest.approx(best)
+
+
+def test_window_width_follows_the_cost_of_its_rows():
+    assert window_width(lambda k: 1.0, 5, 3) == 5  # free rows: the widest window
+    assert window_width(lambda k: float(k), 5, 3) == 0  # every row costs: none
+    # 1.02 per extra row: w columns of 3 rows add 6% per column; within 10% only one column fits
+    assert window_width(lambda k: 1 + 0.02 * (k - 1), 5, 3) == 1
