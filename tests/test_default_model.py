@@ -37,3 +37,23 @@ def test_lookahead_takes_fewer_steps_than_tokens_on_code(default_model):
     input_ids = encode_prompt(tokenizer, load_workload("humaneval")[0].turns[0])
     out = generate(model, input_ids, max_new_tokens=128)
     assert out.stats.tokens_per_step > 1.2
+
+
+def test_a_shared_corpus_drafts_the_second_request_from_the_first(default_model):
+    """Two requests over the same article: the second drafts from the first one's prompt and output, and
+    both stay identical to greedy generate."""
+    from lookahead import Corpus
+
+    model, tokenizer = default_model
+    article = next(p for p in load_workload("spec_bench") if p.category == "summarization").turns[0]
+    article = article.removeprefix("Summarize: ")[:1500]
+    corpus = Corpus()
+    outputs = []
+    for instruction in ("Summarize this article in two sentences.", "Give a short summary of the article."):
+        input_ids = encode_prompt(tokenizer, f"{instruction}\n\n{article}")
+        out = generate(model, input_ids, max_new_tokens=96, corpus=corpus)
+        assert torch.equal(out.sequences, reference_greedy(model, input_ids, 96))
+        outputs.append(out)
+    assert len(corpus) == 2
+    assert "corpus" not in outputs[0].stats.accepted_by_source  # nothing was in the corpus yet
+    assert outputs[1].stats.accepted_by_source.get("corpus", 0) > 0

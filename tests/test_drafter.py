@@ -22,8 +22,10 @@ def test_stats_score_each_draft_as_deep_as_the_committed_tokens_reach():
     assert stats.rate(Draft((5,), "suffix", context=2), 1) == pytest.approx(2 / 3)  # contexts 2 and 3 share a bin
     assert stats.rate(Draft((5,), "suffix", context=4), 1) == pytest.approx(0.5)  # another bin
     assert stats.rate(Draft((5,), "pool", context=3), 1) == pytest.approx(0.5)  # another source
-    stats.record([Draft((1, 2), "pool")], [3])
+    assert stats.rate(draft, 1, rank=1) == pytest.approx(0.5)  # another rank within the source
+    stats.record([Draft((1, 2), "pool"), Draft((3, 4), "pool")], [3])  # the second-ranked draft was right
     assert stats.rate(Draft((1, 2), "pool"), 1) == pytest.approx(1 / 3)
+    assert stats.rate(Draft((1, 2), "pool"), 1, rank=1) == pytest.approx(2 / 3)
 
 
 def test_without_a_cost_every_node_is_kept_and_shared_prefixes_are_merged():
@@ -72,10 +74,13 @@ def test_the_kept_tree_is_the_best_of_all_subtrees(drafts, slope, outcomes):
 
     merged = merge_drafts(drafts, stats, cost, fixed_rows=1, max_nodes=None)
     chance = {}
+    ranks: dict[str, int] = {}
     for draft in drafts:
+        rank = min(ranks.get(draft.source, 0), 3)
+        ranks[draft.source] = ranks.get(draft.source, 0) + 1
         p = 1.0
         for depth in range(1, len(draft.tokens) + 1):
-            p *= stats.rate(draft, depth)
+            p *= stats.rate(draft, depth, rank)
             chance[draft.tokens[:depth]] = max(chance.get(draft.tokens[:depth], 0.0), p)
     best = 1.0 / cost(1)
     nodes = list(chance)
@@ -90,5 +95,5 @@ def test_the_kept_tree_is_the_best_of_all_subtrees(drafts, slope, outcomes):
 def test_window_width_follows_the_cost_of_its_rows():
     assert window_width(lambda k: 1.0, 5, 3) == 5  # free rows: the widest window
     assert window_width(lambda k: float(k), 5, 3) == 0  # every row costs: none
-    # 1.02 per extra row: w columns of 3 rows add 6% per column; within 10% only one column fits
+    # 2% per extra row: a column of 3 rows adds 6%; within 10% of a one-token step only one column fits
     assert window_width(lambda k: 1 + 0.02 * (k - 1), 5, 3) == 1

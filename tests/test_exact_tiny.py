@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from lookahead import LookaheadConfig, generate
 from lookahead.core.drafts import Draft
 from lookahead.core.layout import build_guess_tree, step_layout
+from lookahead.costs import cost_curve
 from lookahead.hf import HFModelRunner
 
 CONFIGS = [
@@ -50,6 +51,7 @@ def test_identical_to_greedy(tiny_model, config):
     for seed, length in [(1, 30), (2, 5), (3, 1)]:
         prompt = random_prompt(length, seed)
         expected = reference_greedy(tiny_model, prompt, 48)
+        cost_curve(HFModelRunner(tiny_model))  # measured (its own forwards) once per model shape, then cached
         with ForwardRecorder(tiny_model) as recorder:
             out = generate(tiny_model, prompt, max_new_tokens=48, config=config)
         assert torch.equal(out.sequences, expected)

@@ -1,8 +1,12 @@
 """Lookahead decoding: exact, parallel decoding for Hugging Face causal LMs without a draft model."""
 
-from .config import LookaheadConfig
+from .config import AUTO_CONFIG, LookaheadConfig
+from .core.suffix import Corpus
 from .generation import GenerateOutput, GenerationStats, generate
 from .hf import UnsupportedModelError
 from .models import ModelLoadError, load_model
 
-__all__ = ["GenerateOutput", "GenerationStats", "LookaheadConfig", "ModelLoadError", "UnsupportedModelError", "generate", "load_model"]
+__all__ = [
+    "AUTO_CONFIG", "Corpus", "GenerateOutput", "GenerationStats", "LookaheadConfig", "ModelLoadError",
+    "UnsupportedModelError", "generate", "load_model",
+]

@@ -23,7 +23,7 @@ from .bench.report import (
 )
 from .bench.runner import environment, run_benchmark, standard_methods, summarize
 from .config import AUTO_CONFIG, LookaheadConfig
-from .costs import forward_cost
+from .costs import cost_curve, forward_cost
 from .generation import check_request, generate
 from .hf import HFModelRunner
 from .models import DTYPES, ModelLoadError, load_model
@@ -319,7 +319,7 @@ def cost_command(
     context: Annotated[int, typer.Option(min=1, help="Cached tokens before the step.")] = 256,
     max_k: Annotated[int, typer.Option(min=1, help="Largest k (powers of two up to it).")] = 128,
     repeats: Annotated[int, typer.Option(min=1)] = 5,
-    packed_linear: Annotated[bool, typer.Option(help="Prepacked oneDNN linears where supported (CPU), as generate uses by default.")] = True,
+    packed_linear: Annotated[Optional[bool], typer.Option(help="Prepacked oneDNN linears (CPU) or not; default: the path generate takes on this machine (measured).")] = None,
     model: ModelOption = None,
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
@@ -329,7 +329,9 @@ def cost_command(
     """The model's forward cost T(k) for k new tokens per step over a cached context."""
     lm, _ = _load_model(model, gguf_file, dtype, threads)
     sizes = tuple(sorted({1, *(2**i for i in range(max_k.bit_length()) if 2**i <= max_k), max_k}))
-    runner = HFModelRunner(lm, packed_linear=None if packed_linear else False)
+    runner = HFModelRunner(lm, packed_linear=packed_linear)
+    if runner.packing is None:
+        cost_curve(runner)  # settles which linear path generate takes here
     points = forward_cost(runner, context=context, sizes=sizes, repeats=repeats)
     print("| k | ms | T(k)/T(1) |\n|---|---|---|")
     for p in points:

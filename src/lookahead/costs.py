@@ -74,25 +74,44 @@ def forward_cost(
 
 
 def _curve_key(runner: HFModelRunner) -> str:
-    """What the cost depends on: the model's shape (not its weights), dtype, device, threads, linear path."""
+    """What the cost depends on: the model's shape (not its weights), dtype, device, threads, linear paths."""
     model: PreTrainedModel = runner.model
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else runner.device.type
     described = json.dumps([COST_FORMAT_VERSION, type(model).__name__, config, str(runner.dtype), device,
-                            torch.get_num_threads(), runner.packed, torch.__version__], sort_keys=True, default=str)
+                            torch.get_num_threads(), runner.packing, torch.__version__], sort_keys=True, default=str)
     return hashlib.blake2b(described.encode(), digest_size=16).hexdigest()
 
 
+def _seconds(runner: HFModelRunner, packed_from: int | None) -> list[float]:
+    runner.packed_from = packed_from
+    return [point.seconds for point in forward_cost(runner, context=128, repeats=3)]
+
+
 def cost_curve(runner: HFModelRunner) -> CostCurve:
-    """T(k) for k in CURVE_SIZES, measured once per model shape and machine setting, then read from disk."""
+    """T(k) for k in CURVE_SIZES on the path the runner takes, measured once per model shape and machine
+    setting, then read from disk. Where the runner may use prepacked linears (`packing` None), both paths
+    are measured and the runner is set to take the packed one from the step size on which it is faster
+    at every larger size (never, or always, where one path wins throughout); the curve is then the faster
+    path's at each size."""
     path = cache_root() / "costs" / f"{_curve_key(runner)}.json"
     if path.is_file():
         measured = json.loads(path.read_text())
     else:
-        points = forward_cost(runner, context=128, repeats=3)
-        measured = {"sizes": [p.tokens for p in points], "seconds": [p.seconds for p in points]}
+        measured = {"sizes": list(CURVE_SIZES), "plain": None, "packed": None}
+        if runner.packing is not True:
+            measured["plain"] = _seconds(runner, None)
+        if runner.packing is not False:
+            measured["packed"] = _seconds(runner, 1)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         partial.write_text(json.dumps(measured))
         os.replace(partial, path)
-    return CostCurve(measured["sizes"], measured["seconds"])
+    sizes, plain, packed = measured["sizes"], measured["plain"], measured["packed"]
+    if plain is None or packed is None:
+        runner.packed_from = None if packed is None else 1
+        return CostCurve(sizes, plain or packed)
+    faster = [p < q for p, q in zip(packed, plain)]
+    runner.packed_from = next((k for i, k in enumerate(sizes) if all(faster[i:])), None)
+    on = [runner.packed_from is not None and k >= runner.packed_from for k in sizes]
+    return CostCurve(sizes, [p if use else q for p, q, use in zip(packed, plain, on)])

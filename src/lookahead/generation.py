@@ -92,7 +92,8 @@ def generate(
     input_ids: [1, n] or [n] token ids (batch size 1). eos_token_id: one id or several; None takes the
     model's generation config. streamer: any transformers streamer; it gets the prompt, then every
     committed token. packed_linear: run the model's linear layers on oneDNN-prepacked weights (CPU
-    float32/bfloat16 only; None: whenever possible); see `hf.PackedLinears`.
+    float32/bfloat16 only; None: for the step sizes where that measured faster on this machine); see
+    `hf.PackedLinears`.
     """
     if config is not None and not isinstance(config, LookaheadConfig):
         raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")
@@ -107,8 +108,10 @@ def generate(
     start = time.perf_counter()
     stats = GenerationStats()
     lap = _Laps(stats.phase_seconds)
+    # The cost curve sizes budgeted steps; measuring it also settles which linear path runs (hf.PackedLinears).
+    cost = cost_curve(runner) if config.budget or runner.packing is None else None
     decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform, corpus=corpus,
-                               cost=cost_curve(runner) if config.budget else None, proposers=proposers)
+                               cost=cost, proposers=proposers)
     stats.window = decoder.window.width
     cache = runner.new_cache()
     if prompt.numel() > 1:

@@ -70,8 +70,9 @@ class GrowingLayer(DynamicLayer):
 class PackedLinears:
     """oneDNN-prepacked copies of a CPU model's `nn.Linear` weights, swapped in for our forward passes only.
 
-    On CPU, oneDNN's linear on a prepacked weight runs 1.4-1.6x faster than the default BLAS path for
-    the 1..64-row inputs of decoding steps. The model itself is left as it was: the packed forward is
+    On some CPUs oneDNN's linear on a prepacked weight runs 1.4-1.6x faster than the default BLAS path for
+    the 1..64-row inputs of decoding steps (an AMD EPYC), on others slower (an AVX-512 Xeon): which path
+    runs is measured per machine (`costs.cost_curve`). The model itself is left as it was: the packed forward is
     set on each Linear instance on entering `active()` and removed on leaving. It costs a second copy of
     the linear weights, taken when first used: later in-place weight changes are not seen.
     """
@@ -146,19 +147,21 @@ class HFModelRunner:
         self.device = model.device
         self.dtype = model.dtype
         self.forward_seconds = 0.0  # time spent inside the model's forward, for profiling
-        if packed_linear is None:
-            packed_linear = PackedLinears.supported(model)
-        elif packed_linear and not PackedLinears.supported(model):
+        if packed_linear and not PackedLinears.supported(model):
             raise ValueError("packed_linear=True needs a float32 or bfloat16 model on CPU with oneDNN (mkldnn) available")
-        if packed_linear and model not in _PACKED:
+        # None: measure which path is faster here; `costs.cost_curve` decides and sets `packed_from`.
+        self.packing: bool | None = packed_linear if packed_linear is not None else (
+            None if PackedLinears.supported(model) else False)
+        if self.packing is not False and model not in _PACKED:
             _PACKED[model] = PackedLinears(model)
-        self._packed = _PACKED[model] if packed_linear else None
-        self.packed = bool(packed_linear)  # the forward runs on prepacked linear weights
+        self._packed = _PACKED[model] if self.packing is not False else None
+        self.packed_from: int | None = 1 if self.packing else None  # steps this long or longer run packed
 
-    def _forward(self, **kwargs):
+    def _forward(self, input_ids: torch.Tensor, **kwargs):
         start = time.perf_counter()
-        with self._packed.active() if self._packed else nullcontext():
-            out = self.model(use_cache=True, **kwargs)
+        packed = self._packed is not None and self.packed_from is not None and input_ids.shape[1] >= self.packed_from
+        with self._packed.active() if packed else nullcontext():
+            out = self.model(input_ids=input_ids, use_cache=True, **kwargs)
         self.forward_seconds += time.perf_counter() - start
         return out
 

@@ -20,23 +20,37 @@ def _context_bucket(context: int) -> int:
     return min(1 << (max(context, 1).bit_length() - 1), 16)
 
 
+def _ranked(drafts: Sequence[Draft]) -> list[tuple[Draft, int]]:
+    """Each draft with its rank among its source's drafts (sources list their best first), capped at 3."""
+    seen: dict[str, int] = {}
+    ranked = []
+    for draft in drafts:
+        rank = seen.get(draft.source, 0)
+        seen[draft.source] = rank + 1
+        ranked.append((draft, min(rank, 3)))
+    return ranked
+
+
 class AcceptanceStats:
-    """P(the model agrees with a draft's d-th token | it agreed with the d-1 before), per (source,
-    matched-context bin, depth), counted from every draft of every step against what was committed."""
+    """P(the model agrees with a draft's d-th token | it agreed with the d-1 before), per (source, rank
+    among that source's drafts, matched-context bin, depth), counted from every draft of every step
+    against what was committed."""
 
     def __init__(self, prior_accepted: float = 1.0, prior_offered: float = 2.0) -> None:
         self._prior = (prior_accepted, prior_offered)
-        self._counts: dict[tuple[str, int, int], list[float]] = {}
+        self._counts: dict[tuple[str, int, int, int], list[float]] = {}
 
-    def rate(self, draft: Draft, depth: int) -> float:
-        accepted, offered = self._counts.get((draft.source, _context_bucket(draft.context), depth), (0.0, 0.0))
+    def rate(self, draft: Draft, depth: int, rank: int = 0) -> float:
+        key = (draft.source, rank, _context_bucket(draft.context), depth)
+        accepted, offered = self._counts.get(key, (0.0, 0.0))
         return (accepted + self._prior[0]) / (offered + self._prior[1])
 
     def record(self, drafts: Sequence[Draft], committed: Sequence[int]) -> None:
         """`committed`: the tokens the step committed (the model's own choices), so each draft is scored
-        as deep as they reach, whether or not its tokens were fed."""
-        for draft in drafts:
-            key = (draft.source, _context_bucket(draft.context))
+        as deep as they reach, whether or not its tokens were fed. `drafts` in the order they were
+        proposed, as given to `merge_drafts`."""
+        for draft, rank in _ranked(drafts):
+            key = (draft.source, rank, _context_bucket(draft.context))
             for depth, (guessed, actual) in enumerate(zip(draft.tokens, committed), start=1):
                 counts = self._counts.setdefault((*key, depth), [0.0, 0.0])
                 counts[1] += 1
@@ -65,10 +79,10 @@ def merge_drafts(
     feeds anyway (the last token and the window)."""
     probability: dict[tuple[int, ...], float] = {}  # node (the prefix that ends in it) -> best estimate
     source: dict[tuple[int, ...], str] = {}
-    for draft in drafts:
+    for draft, rank in _ranked(drafts):
         chance = 1.0
         for depth in range(1, len(draft.tokens) + 1):
-            chance *= stats.rate(draft, depth)
+            chance *= stats.rate(draft, depth, rank)
             prefix = draft.tokens[:depth]
             if chance > probability.get(prefix, -1.0):
                 probability[prefix], source[prefix] = chance, draft.source
@@ -91,9 +105,7 @@ def merge_drafts(
 WINDOW_COST_TOLERANCE = 1.1
 
 
-def window_width(cost: Callable[[int], float], max_width: int, levels: int, tree_nodes: int = 8) -> int:
-    """The widest window (at most `max_width` columns of `levels` rows) whose rows make a step with a
-    typical tree cost at most WINDOW_COST_TOLERANCE times as much as the same step without them."""
-    base = cost(1 + tree_nodes)
-    widths = [w for w in range(max_width + 1) if cost(1 + tree_nodes + w * levels) <= WINDOW_COST_TOLERANCE * base]
-    return max(widths)
+def window_width(cost: Callable[[int], float], max_width: int, levels: int) -> int:
+    """The widest window (at most `max_width` columns of `levels` rows) whose rows are nearly free: a step
+    of the last token and the window costs at most WINDOW_COST_TOLERANCE times a one-token step."""
+    return max(w for w in range(max_width + 1) if cost(1 + w * levels) <= WINDOW_COST_TOLERANCE * cost(1))
