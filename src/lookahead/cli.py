@@ -16,6 +16,7 @@ from transformers import TextStreamer
 from transformers.utils import logging as hf_logging
 
 from .baseline import hf_generate
+from .bench.corpus import corpus_runs, corpus_table
 from .bench.cost import sweep
 from .bench.report import (
     divergence_table, drafts_line, fit_log_line, profile_line, summary_table, write_benchmark, write_cost,
@@ -339,6 +340,24 @@ def cost_command(
     if out is not None:
         for path in write_cost(out, points, environment(lm)):
             print(f"wrote {path}")
+
+
+@bench_app.command("corpus")
+def corpus_command(
+    limit: Annotated[int, typer.Option(min=1, help="Spec-Bench summarization articles.")] = 5,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    chars: Annotated[int, typer.Option(min=100, help="Characters of each article kept.")] = 1500,
+    model: ModelOption = None,
+    gguf_file: GgufOption = None,
+    dtype: DtypeOption = "float32",
+    threads: ThreadsOption = None,
+) -> None:
+    """Two differently worded requests over each article: the second with and without a corpus shared
+    with the first (tokens/step; greedy outputs must not change)."""
+    articles = [p for p in load_workload("spec_bench") if p.category == "summarization"][:limit]
+    lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
+    documents = {p.id: p.turns[0].removeprefix("Summarize: ")[:chars] for p in articles}
+    print(corpus_table(corpus_runs(lm, tokenizer, documents, max_new_tokens)))
 
 
 def _int_list(text: str, hint: str) -> list[int]:
