@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookahead.config import LookaheadConfig
-from lookahead.core.decoder import LookaheadDecoder
+from lookahead.core.decoder import MAX_TREE_NODES, LookaheadDecoder
+from lookahead.core.drafter import AcceptanceStats, merge_drafts
+from lookahead.core.drafts import Draft
 from lookahead.core.layout import build_guess_tree, step_layout
-from lookahead.core.pool import NGramPool
+from lookahead.core.pool import NGramPool, PoolProposer
+from lookahead.core.suffix import Corpus
 from lookahead.core.verify import ROOT, Verdict, greedy_choice, sample_choice, verify_greedy, walk_tree
 from lookahead.core.window import LookaheadWindow
 
@@ -358,3 +362,85 @@ def test_decoder_transform_gets_the_context_on_the_logits_device():
     assert decoder._scores(logits, 2, 0, [6]).device.type == "meta"
     meta = torch.device("meta")
     assert seen == [(meta, torch.long, (1, len(PROMPT) + 1), meta, (1, VOCAB))]
+
+
+class _Recorder:
+    """An extra draft source that proposes fixed drafts and records what it is asked and shown."""
+
+    name = "extra"
+
+    def __init__(self, drafts: list[tuple[int, ...]]) -> None:
+        self.drafts = drafts
+        self.limits: list[int] = []
+        self.observed: list[tuple[list[int], int]] = []
+
+    def propose(self, text, limit):
+        self.limits.append(limit)
+        return [Draft(tokens, self.name) for tokens in self.drafts]
+
+    def observe(self, text, new):
+        self.observed.append((list(text), new))
+
+
+def test_pool_source_drafts_carry_its_name_and_matched_context():
+    pool = NGramPool(4, 3)
+    pool.add((3, 4, 5, 6), before=(1, 2))
+    assert PoolProposer(pool).propose([0, 2, 3], 2) == [Draft((4, 5), "pool", 2)]  # found under the key (2, 3)
+
+
+def test_budgeted_decoder_needs_a_cost_curve():
+    with pytest.raises(ValueError, match=r"^a budgeted config needs the step cost curve \(cost=\)$"):
+        LookaheadDecoder(LookaheadConfig(budget=True), [1, 2, 3])
+
+
+def test_decoder_extra_proposers_observe_prompt_and_output_and_count_acceptances():
+    for seed, learn in ((True, True), (False, False)):  # the pool's switches do not concern other sources
+        config = LookaheadConfig(window=0, ngram=4, guesses=2, seed_from_prompt=seed, learn_from_output=learn)
+        extra = _Recorder([(7, 8)])
+        decoder = LookaheadDecoder(config, [1, 2, 3], proposers=[extra])
+        assert [p.name for p in decoder.proposers] == ["pool", "extra"]
+        assert extra.observed == [([1, 2, 3], 3)]
+        plan = decoder.plan()
+        assert extra.limits == [3]  # the longest draft: N - 1 (no suffix source)
+        assert plan.tree.tokens == [7, 8] and plan.sources == ("extra", "extra")
+        assert decoder.update(plan, _logits([7, 8, 9])).tokens == [7, 8, 9]
+        assert decoder.accepted_by_source == {"extra": 2}
+        assert extra.observed[1:] == [([1, 2, 3, 7, 8, 9], 3)]
+
+
+def test_decoder_suffix_source_only_when_configured_and_with_the_corpus():
+    corpus = Corpus()
+    corpus.add([1, 2, 50, 51])
+    prompt = [1, 2, 3, 4, 1, 2]
+    off = LookaheadDecoder(LookaheadConfig(window=0, suffix=0), prompt, corpus=corpus)
+    assert [p.name for p in off.proposers] == ["pool"]
+    on = LookaheadDecoder(LookaheadConfig(window=0, suffix=8), prompt, corpus=corpus)
+    assert [p.name for p in on.proposers] == ["pool", "suffix"]
+    drafts = on.plan().drafts
+    assert Draft((3, 4, 1, 2), "suffix", 2) in drafts  # from the prompt, which the suffix source observed
+    assert Draft((50, 51), "corpus", 2) in drafts  # from the corpus
+
+
+def test_budgeted_decoder_sizes_window_and_tree_by_the_cost_curve():
+    def cost(k):  # up to 8 rows cost one step; each row more costs another
+        return 1.0 if k <= 8 else float(k - 7)
+
+    config = LookaheadConfig(window=5, ngram=4, guesses=2, seed_from_prompt=False, budget=True)
+    extra = _Recorder([(100 + i,) for i in range(20)])
+    decoder = LookaheadDecoder(config, list(range(20, 30)), cost=cost, proposers=[extra])
+    assert decoder.window.width == 2  # 1 + 2 columns x 3 levels = 7 rows cost 1; a third column: 10 rows
+    plan = decoder.plan()
+    # 3 fixed rows (the last token, the window's first level): 5 nodes are free; a sixth doubles the step cost
+    assert plan.tree.tokens == [100, 101, 102, 103, 104]
+    assert plan.tree.tokens == merge_drafts(plan.drafts, AcceptanceStats(), cost, 3, MAX_TREE_NODES).tree.tokens
+
+
+def test_budget_caps_the_tree_and_an_unbudgeted_decoder_ignores_the_cost():
+    prompt = list(range(20, 30))
+    many = [(100 + i,) for i in range(70)]
+    budgeted = LookaheadConfig(window=5, ngram=4, guesses=2, seed_from_prompt=False, budget=True)
+    free = LookaheadDecoder(budgeted, prompt, cost=lambda k: 1.0, proposers=[_Recorder(many)])
+    assert len(free.plan().tree.tokens) == MAX_TREE_NODES == 64  # every node pays; the cap stops it
+    plain = LookaheadConfig(window=5, ngram=4, guesses=2, seed_from_prompt=False, budget=False)
+    ignored = LookaheadDecoder(plain, prompt, cost=lambda k: float(k), proposers=[_Recorder(many)])
+    assert ignored.window.width == 5 and len(ignored.plan().tree.tokens) == 70  # every draft, the whole window

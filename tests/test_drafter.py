@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead.core.drafter import AcceptanceStats, merge_drafts, window_width
+from lookahead.core.drafter import WINDOW_COST_TOLERANCE, AcceptanceStats, merge_drafts, window_width
 from lookahead.core.drafts import Draft
 
 
@@ -97,3 +97,66 @@ def test_window_width_follows_the_cost_of_its_rows():
     assert window_width(lambda k: float(k), 5, 3) == 0  # every row costs: none
     # 2% per extra row: a column of 3 rows adds 6%; within 10% of a one-token step only one column fits
     assert window_width(lambda k: 1 + 0.02 * (k - 1), 5, 3) == 1
+
+
+def test_stats_bin_matched_contexts_by_powers_of_two():
+    bins = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 7: 2, 8: 3, 15: 3, 16: 4, 31: 4, 32: 4, 100: 4}  # 1 | 2-3 | 4-7 | 8-15 | 16+
+    for recorded in bins:
+        stats = AcceptanceStats()
+        stats.record([Draft((5,), "s", recorded)], [5])
+        for asked in bins:
+            shared = stats.rate(Draft((5,), "s", asked), 1) != pytest.approx(0.5)
+            assert shared == (bins[recorded] == bins[asked]), (recorded, asked)
+
+
+def test_stats_share_one_estimate_for_ranks_past_the_third():
+    stats = AcceptanceStats()
+    stats.record([Draft((token,), "s") for token in range(6)], [3])  # ranks 0..5; only rank 3 is right
+    assert stats.rate(Draft((0,), "s"), 1, rank=3) == pytest.approx((1 + 1) / (3 + 2))  # ranks 3, 4 and 5
+    assert stats.rate(Draft((0,), "s"), 1, rank=4) == pytest.approx(0.5)  # never recorded apart
+
+
+def test_stats_accumulate_over_steps():
+    stats = AcceptanceStats()
+    draft = Draft((5, 6), "s")
+    for committed in ([5, 6], [5, 7], [5, 6]):
+        stats.record([draft], committed)
+    assert stats.rate(draft, 1) == pytest.approx((3 + 1) / (3 + 2))
+    assert stats.rate(draft, 2) == pytest.approx((2 + 1) / (3 + 2))
+
+
+def test_a_node_keeps_the_likeliest_source_and_the_first_on_ties():
+    stats = AcceptanceStats()
+    stats.record([Draft((9,), "b")], [8])  # b's first tokens were wrong once: rate 1/3 against a's prior 1/2
+    for drafts in ([Draft((1,), "a"), Draft((1,), "b")], [Draft((1,), "b"), Draft((1,), "a")]):
+        merged = merge_drafts(drafts, stats, None, fixed_rows=1, max_nodes=None)
+        assert merged.sources == ("a",) and merged.expected == pytest.approx(0.5)
+    tie = merge_drafts([Draft((1, 2), "a"), Draft((1, 3), "c")], AcceptanceStats(), None, fixed_rows=1, max_nodes=None)
+    assert tie.tree.tokens == [1, 2, 3] and tie.sources == ("a", "a", "c")
+
+
+def test_a_node_that_only_breaks_even_is_not_fed():
+    # one node accepted with 1/2: (1 + 0.5) / 1.5 == 1 / 1, the value of feeding nothing
+    merged = merge_drafts([Draft((1,), "a")], AcceptanceStats(), lambda k: 1.0 if k == 1 else 1.5, fixed_rows=1,
+                          max_nodes=64)
+    assert merged.tree.tokens == []
+
+
+def test_the_choices_do_not_depend_on_the_cost_unit():
+    drafts = [Draft((1, 2, 3), "pool"), Draft((4,), "pool")]
+    costs = [lambda k: 1.0, lambda k: 1 + 0.25 * (k - 1), lambda k: 1 + 0.02 * (k - 1), lambda k: float(k)]
+    for cost in costs:
+        def scaled(k, cost=cost):
+            return 3.0 * cost(k)
+        for fixed_rows in (1, 3):
+            kept = merge_drafts(drafts, AcceptanceStats(), cost, fixed_rows, max_nodes=64).tree.tokens
+            assert merge_drafts(drafts, AcceptanceStats(), scaled, fixed_rows, max_nodes=64).tree.tokens == kept
+        assert window_width(scaled, 5, 3) == window_width(cost, 5, 3)
+    assert merge_drafts(drafts, AcceptanceStats(), lambda k: 3.0, 3, max_nodes=64).tree.tokens == [1, 4, 2, 3]
+    assert window_width(lambda k: 3.0, 5, 3) == 5
+
+
+def test_window_rows_costing_exactly_the_tolerance_still_fit():
+    def cost(k):  # one column of 3 rows costs exactly WINDOW_COST_TOLERANCE times a one-token step
+        return 1.0 if k == 1 else WINDOW_COST_TOLERANCE if k <= 4 else 2.0
+    assert window_width(cost, 5, 3) == 1

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lookahead.core.drafts import Draft
 from lookahead.core.suffix import BYTES_PER_TOKEN, Corpus, MatchCursor, SuffixAutomaton, SuffixProposer, continuation
 
 texts = st.lists(st.integers(0, 3), min_size=1, max_size=40)  # a small alphabet: many repeats
@@ -122,3 +123,155 @@ def test_bytes_per_token_bounds_the_automaton_memory():
 def test_corpus_cap_must_be_positive(value):
     with pytest.raises(ValueError, match="max_megabytes must be a number > 0"):
         Corpus(max_megabytes=value)
+
+
+def _chain(other: list[int], text: list[int], longest: int) -> list[tuple[int, int]]:
+    """By brute force: (length, end of its first occurrence in `other`) for each suffix length of `text` up to
+    `longest` whose occurrences in `other` differ from those of the suffix one longer, longest first."""
+    def ends(length):
+        return occurrences(other, text[len(text) - length :]) if length <= min(longest, len(text)) else []
+    return [(length, ends(length)[0]) for length in range(longest, 0, -1) if ends(length) != ends(length + 1)]
+
+
+def test_cursor_and_earlier_matches_list_every_distinct_match_up_to_most():
+    rng = random.Random(0)
+    for _ in range(60):
+        other = [rng.randrange(3) for _ in range(rng.randrange(1, 25))]
+        text = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+        cursor = MatchCursor(SuffixAutomaton(other))
+        cursor.feed(text)
+        full = _chain(other, text, cursor.length)
+        assert cursor.matches(100) == full
+        for most in range(len(full) + 1):
+            assert cursor.matches(most) == full[:most]
+        # in the text itself: the suffixes that also end earlier (the whole text's own occurrence left out)
+        automaton = SuffixAutomaton(other)
+        earlier = [(length, end) for length, end in _chain(other, other, len(other)) if end < len(other) - 1]
+        assert automaton.earlier_matches(100) == earlier
+        for most in range(len(earlier) + 1):
+            assert automaton.earlier_matches(most) == earlier[:most]
+
+
+def test_continuation_keeps_token_zero():
+    assert continuation([0, 0, 1, -3, 2], 0, 5) == (0, 1)  # 0 is a token id like any other; only negatives separate
+    assert continuation([4, 0], 0, 5) == (0,)
+
+
+def test_suffix_source_drafts_at_most_three_branches_longest_first():
+    # "1" first continues with 9, "2 1" with 8, "3 2 1" with 7, "4 3 2 1" with 6: four earlier matches
+    text = [1, 9, 2, 1, 8, 3, 2, 1, 7, 4, 3, 2, 1, 6, 5, 4, 3, 2, 1]
+    source = SuffixProposer()
+    source.observe(text, len(text))
+    assert source.propose(text, 1) == [Draft((6,), "suffix", 4), Draft((7,), "suffix", 3), Draft((8,), "suffix", 2)]
+
+
+def test_own_and_corpus_drafts_are_merged_longest_match_first():
+    corpus = Corpus()
+    corpus.add([2, 3, 4, 50])
+    source = SuffixProposer(corpus)
+    text = [90, 90, 90, 90, 3, 4, 60, 90, 2, 3, 4]  # "3 4" also ends at 5 in the text; "2 3 4" is in the corpus
+    source.observe(text, len(text))
+    assert source.propose(text, 2) == [Draft((50,), "corpus", 3), Draft((60, 90), "suffix", 2)]
+
+
+def test_corpus_default_cap_is_64_megabytes():
+    assert Corpus().max_tokens == int(64 * 2**20 / BYTES_PER_TOKEN)
+
+
+def test_corpus_keeps_exactly_the_newest_documents_that_fit():
+    """Reference: each document keeps its last max_tokens - 1 tokens (one more for its separator); the corpus
+    holds the longest run of newest documents whose tokens and separators fit in max_tokens."""
+    corpus = Corpus(max_megabytes=50 * BYTES_PER_TOKEN / 2**20)
+    assert corpus.max_tokens == 50
+    rng = random.Random(0)
+    history = []
+    for _ in range(300):
+        size = rng.choice([0, 1, 2, 5, 10, 18, 19, 23, 24, 25, 26, 30, 47, 48, 49, 50, 51, 60, 100])
+        document = [rng.randrange(1000) for _ in range(size)]
+        corpus.add(document)
+        history.append(document[-49:])
+        kept, total = [], 0
+        for earlier in reversed(history):
+            if total + len(earlier) + 1 > 50:
+                break
+            kept.insert(0, earlier)
+            total += len(earlier) + 1
+        held = corpus.automaton.tokens
+        assert len(corpus) == len(kept) and corpus.tokens == total <= corpus.max_tokens
+        assert [t for t in held if t >= 0] == [t for d in kept for t in d]
+        assert [t >= 0 for t in held] == [flag for d in kept for flag in [False] + [True] * len(d)]
+        separators = [t for t in held if t < 0]
+        assert len(set(separators)) == len(separators)  # distinct: no match runs across a separator
+
+
+def test_corpus_version_changes_on_every_add_and_clear():
+    corpus = Corpus()
+    versions = [corpus.version]
+    for step in range(6):
+        corpus.clear() if step % 3 == 2 else corpus.add([step])
+        versions.append(corpus.version)
+    assert len(set(versions)) == len(versions)
+
+
+def test_the_source_follows_every_change_of_the_corpus():
+    # the source is made after one document was added
+    corpus = Corpus()
+    corpus.add([1, 2, 3, 4])
+    source = SuffixProposer(corpus)
+    text = [9, 1, 2]
+    source.observe(text, 3)
+    assert source.propose(text, 4) == [Draft((3, 4), "corpus", 2)]
+    corpus.clear()
+    text.append(3)
+    source.observe(text, 1)
+    assert source.propose(text, 4) == []  # the cleared document is gone
+
+    # cleared and refilled between two observations
+    corpus = Corpus()
+    corpus.add([1, 2, 3, 4])
+    source = SuffixProposer(corpus)
+    text = [9, 1, 2]
+    source.observe(text, 3)
+    corpus.clear()
+    corpus.add([2, 7, 8])
+    text.append(7)
+    source.observe(text, 1)
+    assert source.propose(text, 4) == [Draft((8,), "corpus", 2)]  # "2 7", matched in the new document
+
+    # a second document added between two observations: the text's end is matched afresh
+    corpus = Corpus()
+    corpus.add([1, 2, 3, 4])
+    source = SuffixProposer(corpus)
+    text = [9, 8]
+    source.observe(text, 2)
+    corpus.add([8, 7, 6, 5])
+    text.append(7)
+    source.observe(text, 1)
+    assert source.propose(text, 4) == [Draft((6, 5), "corpus", 2)]  # "8 7", not only "7"
+
+
+def test_corpus_match_grows_past_64_tokens_and_restarts_from_the_last_64():
+    document = list(range(100, 200))
+    corpus = Corpus()
+    corpus.add(document)
+    source = SuffixProposer(corpus)
+    text = [1] + document[:10]
+    source.observe(text, len(text))
+    for token in document[10:80]:
+        text.append(token)
+        source.observe(text, 1)
+    assert source.propose(text, 3) == [Draft((180, 181, 182), "corpus", 80)]  # matched token by token
+    corpus.add([5])  # a changed corpus: the text's end is matched afresh, from its last 64 tokens
+    text.append(180)
+    source.observe(text, 1)
+    assert source.propose(text, 3) == [Draft((181, 182, 183), "corpus", 64)]
+
+
+def test_a_corpus_rebuilt_between_observe_and_propose_does_not_garble_drafts():
+    corpus = Corpus(max_megabytes=10 * BYTES_PER_TOKEN / 2**20)  # room for 10 tokens
+    corpus.add([1, 2, 3, 4])
+    source = SuffixProposer(corpus)
+    text = [9, 1, 2]
+    source.observe(text, len(text))
+    corpus.add([70, 71, 72, 73, 74, 75])  # evicts the first document and rebuilds, e.g. another request ended
+    assert [d.tokens for d in source.propose(text, 8)] == [(3, 4)]  # drafted from what the text was matched in

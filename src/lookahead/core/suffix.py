@@ -204,7 +204,7 @@ class SuffixProposer:
         seen: set[tuple[int, ...]] = set()
         found = [(self.own.tokens, length, end, "suffix") for length, end in self.own.earlier_matches(self.branches)]
         if self._cursor is not None:
-            found += [(self.corpus.automaton.tokens, length, end, "corpus")
+            found += [(self._cursor.automaton.tokens, length, end, "corpus")  # the automaton it matched in
                       for length, end in self._cursor.matches(self.branches)]
         for tokens, length, end, source in sorted(found, key=lambda f: -f[1]):
             draft = continuation(tokens, end, limit)
