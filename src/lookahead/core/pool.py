@@ -45,8 +45,12 @@ class NGramPool:
 
     def add_all(self, tokens: Sequence[int]) -> None:
         """File every n-gram of a text with its context, in order (later ones end up first)."""
-        for start in range(len(tokens) - self.ngram + 1):
-            self.add_at(tokens, start)
+        self.add_ending_in(tokens, len(tokens))
+
+    def add_ending_in(self, text: Sequence[int], new: int) -> None:
+        """File the n-grams of a text that end in its last `new` tokens, with their context, in order."""
+        for start in range(max(0, len(text) - new - self.ngram + 1), len(text) - self.ngram + 1):
+            self.add_at(text, start)
 
     def continuations(self, text: Sequence[int]) -> list[Continuation]:
         """Up to `capacity` continuations of the text's last token, best-matching context first."""
@@ -81,5 +85,4 @@ class PoolProposer:
         return [Draft(continuation[:limit], self.name, context) for continuation, context in self.pool.ranked(text)]
 
     def observe(self, text: Sequence[int], new: int) -> None:
-        for start in range(max(0, len(text) - new - self.pool.ngram + 1), len(text) - self.pool.ngram + 1):
-            self.pool.add_at(text, start)
+        self.pool.add_ending_in(text, new)
