@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from lookahead.config import LookaheadConfig
 from lookahead.core.decoder import MAX_TREE_NODES, LookaheadDecoder
-from lookahead.core.drafter import AcceptanceStats, merge_drafts
+from test_drafter import merged_tree
+from lookahead.core.drafter import AcceptanceStats
 from lookahead.core.drafts import Draft
 from lookahead.core.layout import build_guess_tree, step_layout
 from lookahead.core.pool import NGramPool, PoolProposer
@@ -432,7 +433,7 @@ def test_budgeted_decoder_sizes_window_and_tree_by_the_cost_curve():
     plan = decoder.plan()
     # 3 fixed rows (the last token, the window's first level): 5 nodes are free; a sixth doubles the step cost
     assert plan.tree.tokens == [100, 101, 102, 103, 104]
-    assert plan.tree.tokens == merge_drafts(plan.drafts, AcceptanceStats(), cost, 3, MAX_TREE_NODES).tree.tokens
+    assert plan.tree.tokens == merged_tree(plan.drafts, AcceptanceStats(), cost, 3, MAX_TREE_NODES).tree.tokens
 
 
 def test_budget_caps_the_tree_and_an_unbudgeted_decoder_ignores_the_cost():

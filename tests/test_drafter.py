@@ -8,8 +8,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead.core.drafter import WINDOW_COST_TOLERANCE, AcceptanceStats, merge_drafts, window_width
+from lookahead.core.drafter import (
+    WINDOW_COST_TOLERANCE,
+    AcceptanceStats,
+    RowDemand,
+    node_counts,
+    rank_nodes,
+    window_width,
+)
 from lookahead.core.drafts import Draft
+
+
+def merged_tree(drafts, stats, cost, fixed_rows, max_nodes):
+    """One sequence's tree as a step of its own: its ranked nodes, as many as the budget keeps."""
+    ranked = rank_nodes(drafts, stats, max_nodes)
+    demand = RowDemand(fixed_rows, ranked.probabilities, cost is not None, fixed_rows + len(ranked.prefixes))
+    return ranked.tree(node_counts([demand], cost)[0])
 
 
 def test_stats_score_each_draft_as_deep_as_the_committed_tokens_reach():
@@ -30,7 +44,7 @@ def test_stats_score_each_draft_as_deep_as_the_committed_tokens_reach():
 
 def test_without_a_cost_every_node_is_kept_and_shared_prefixes_are_merged():
     drafts = [Draft((1, 2, 3), "pool"), Draft((1, 2, 4, 5), "suffix", 4), Draft((6,), "pool")]
-    merged = merge_drafts(drafts, AcceptanceStats(), None, fixed_rows=1, max_nodes=None)
+    merged = merged_tree(drafts, AcceptanceStats(), None, fixed_rows=1, max_nodes=None)
     nodes = {tuple(merged.tree.tokens[n] for n in _path(merged.tree.parents, node)) for node in range(len(merged.tree.tokens))}
     assert nodes == {(1,), (1, 2), (1, 2, 3), (1, 2, 4), (1, 2, 4, 5), (6,)}
     assert all(parent < node for node, parent in enumerate(merged.tree.parents))
@@ -39,11 +53,11 @@ def test_without_a_cost_every_node_is_kept_and_shared_prefixes_are_merged():
 
 def test_a_linear_cost_keeps_only_the_nodes_that_pay():
     drafts = [Draft((1, 2, 3), "pool")]  # prior rates 0.5: nodes accepted with 0.5, 0.25, 0.125
-    cheap = merge_drafts(drafts, AcceptanceStats(), lambda k: 1 + 0.25 * (k - 1), fixed_rows=1, max_nodes=64)
+    cheap = merged_tree(drafts, AcceptanceStats(), lambda k: 1 + 0.25 * (k - 1), fixed_rows=1, max_nodes=64)
     assert cheap.tree.tokens == [1]  # 1.5 / 1.25 = 1.2 beats 1.75 / 1.5 and 1 / 1
-    free = merge_drafts(drafts, AcceptanceStats(), lambda k: 1.0, fixed_rows=1, max_nodes=2)
+    free = merged_tree(drafts, AcceptanceStats(), lambda k: 1.0, fixed_rows=1, max_nodes=2)
     assert free.tree.tokens == [1, 2]  # everything pays; the cap stops it
-    dear = merge_drafts(drafts, AcceptanceStats(), lambda k: float(k), fixed_rows=1, max_nodes=64)
+    dear = merged_tree(drafts, AcceptanceStats(), lambda k: float(k), fixed_rows=1, max_nodes=64)
     assert dear.tree.tokens == [] and dear.expected == 0
 
 
@@ -72,7 +86,7 @@ def test_the_kept_tree_is_the_best_of_all_subtrees(drafts, slope, outcomes):
     def cost(k):
         return 1 + slope * (k - 1)
 
-    merged = merge_drafts(drafts, stats, cost, fixed_rows=1, max_nodes=None)
+    merged = merged_tree(drafts, stats, cost, fixed_rows=1, max_nodes=None)
     chance = {}
     ranks: dict[str, int] = {}
     for draft in drafts:
@@ -129,15 +143,15 @@ def test_a_node_keeps_the_likeliest_source_and_the_first_on_ties():
     stats = AcceptanceStats()
     stats.record([Draft((9,), "b")], [8])  # b's first tokens were wrong once: rate 1/3 against a's prior 1/2
     for drafts in ([Draft((1,), "a"), Draft((1,), "b")], [Draft((1,), "b"), Draft((1,), "a")]):
-        merged = merge_drafts(drafts, stats, None, fixed_rows=1, max_nodes=None)
+        merged = merged_tree(drafts, stats, None, fixed_rows=1, max_nodes=None)
         assert merged.sources == ("a",) and merged.expected == pytest.approx(0.5)
-    tie = merge_drafts([Draft((1, 2), "a"), Draft((1, 3), "c")], AcceptanceStats(), None, fixed_rows=1, max_nodes=None)
+    tie = merged_tree([Draft((1, 2), "a"), Draft((1, 3), "c")], AcceptanceStats(), None, fixed_rows=1, max_nodes=None)
     assert tie.tree.tokens == [1, 2, 3] and tie.sources == ("a", "a", "c")
 
 
 def test_a_node_that_only_breaks_even_is_not_fed():
     # one node accepted with 1/2: (1 + 0.5) / 1.5 == 1 / 1, the value of feeding nothing
-    merged = merge_drafts([Draft((1,), "a")], AcceptanceStats(), lambda k: 1.0 if k == 1 else 1.5, fixed_rows=1,
+    merged = merged_tree([Draft((1,), "a")], AcceptanceStats(), lambda k: 1.0 if k == 1 else 1.5, fixed_rows=1,
                           max_nodes=64)
     assert merged.tree.tokens == []
 
@@ -149,10 +163,10 @@ def test_the_choices_do_not_depend_on_the_cost_unit():
         def scaled(k, cost=cost):
             return 3.0 * cost(k)
         for fixed_rows in (1, 3):
-            kept = merge_drafts(drafts, AcceptanceStats(), cost, fixed_rows, max_nodes=64).tree.tokens
-            assert merge_drafts(drafts, AcceptanceStats(), scaled, fixed_rows, max_nodes=64).tree.tokens == kept
+            kept = merged_tree(drafts, AcceptanceStats(), cost, fixed_rows, max_nodes=64).tree.tokens
+            assert merged_tree(drafts, AcceptanceStats(), scaled, fixed_rows, max_nodes=64).tree.tokens == kept
         assert window_width(scaled, 5, 3) == window_width(cost, 5, 3)
-    assert merge_drafts(drafts, AcceptanceStats(), lambda k: 3.0, 3, max_nodes=64).tree.tokens == [1, 4, 2, 3]
+    assert merged_tree(drafts, AcceptanceStats(), lambda k: 3.0, 3, max_nodes=64).tree.tokens == [1, 4, 2, 3]
     assert window_width(lambda k: 3.0, 5, 3) == 5
 
 

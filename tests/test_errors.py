@@ -44,8 +44,8 @@ class Recorder:
     [
         (torch.zeros(1, 0, dtype=torch.long), "input_ids is empty"),
         ([], "input_ids is empty"),
-        (torch.ones(2, 5, dtype=torch.long), r"batch size 1 \(shape \[1, n\]\), got shape \[2, 5\]"),
-        (torch.ones(1, 1, 5, dtype=torch.long), r"shape \[1, n\] or \[n\]"),
+        (torch.ones(2, 5, dtype=torch.long), "streamer takes one sequence"),
+        (torch.ones(1, 1, 5, dtype=torch.long), r"shape \[n\] or \[B, n\], or be a list of 1-D prompts; got shape \[1, 1, 5\]"),
         (torch.ones(1, 5), "integer token ids"),
     ],
 )

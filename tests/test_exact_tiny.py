@@ -15,6 +15,7 @@ from lookahead.core.drafts import Draft
 from lookahead.core.layout import build_guess_tree, step_layout
 from lookahead.costs import cost_curve
 from lookahead.hf import HFModelRunner
+from lookahead.runtime.batch import StepInput, causal_step, pack_steps
 
 CONFIGS = [
     LookaheadConfig(),
@@ -37,7 +38,7 @@ class ForwardRecorder:
         self._handle = model.register_forward_pre_hook(self._record, with_kwargs=True)
 
     def _record(self, module, args, kwargs) -> None:
-        self.sizes.append(int(kwargs["input_ids"].shape[1]))
+        self.sizes.append(int(kwargs["input_ids"].numel()))
 
     def __enter__(self) -> ForwardRecorder:
         return self
@@ -73,17 +74,25 @@ def test_lookahead_accepts_guesses_on_some_family():
     assert accepted > 10
 
 
+def prefilled_store(runner: HFModelRunner, prompts: list[torch.Tensor], capacity: int = 512):
+    """A KV store whose slot b holds prompts[b]."""
+    store = runner.new_store(len(prompts), capacity)
+    runner.forward(store, pack_steps(range(len(prompts)), [0] * len(prompts), [causal_step(p) for p in prompts]))
+    for slot, prompt in enumerate(prompts):
+        store.extend(slot, prompt.numel())
+    return store
+
+
 def test_step_predictions_equal_plain_forward(tiny_model):
     """Every row of a lookahead step predicts what a plain forward over that row's context predicts."""
     runner = HFModelRunner(tiny_model)
     prompt = random_prompt(40, 5)[0]
-    cache = runner.new_cache()
-    runner.prefill(cache, prompt[:-1])
+    store = prefilled_store(runner, [prompt[:-1]])
     layout = step_layout(3, 4, build_guess_tree([(9, 8, 7), (9, 6, 5), (4, 3, 2)]))
     tokens = torch.randint(3, 128, (layout.size,), generator=torch.Generator().manual_seed(6))
     tokens[0] = prompt[-1]
-    past = cache.get_seq_length()
-    logits = runner.logits(cache, tokens, past + layout.offsets, layout.allowed, torch.arange(layout.size))
+    step = StepInput(tokens, layout.offsets, layout.allowed, torch.arange(layout.size))
+    logits = runner.forward(store, pack_steps([0], store.lengths[:1], [step]))[0]
     for row in range(layout.size):
         context_rows = torch.nonzero(layout.allowed[row]).flatten()
         context_rows = context_rows[layout.offsets[context_rows].argsort()]
@@ -93,27 +102,30 @@ def test_step_predictions_equal_plain_forward(tiny_model):
         torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("prompt_length", [20, 250], ids=["in-capacity", "cache-grows-during-step"])
-def test_commit_leaves_exactly_the_committed_tokens_in_the_cache(llama_tiny, prompt_length):
+def test_keep_leaves_exactly_the_committed_tokens_in_each_slot(llama_tiny):
+    """Three sequences of different lengths step together (padded to one height); each slot then holds what
+    a fresh prefill of its committed tokens computes, whatever its neighbours fed."""
     runner = HFModelRunner(llama_tiny)
-    prompt = random_prompt(prompt_length, 7)[0]
-    cache = runner.new_cache()
-    runner.prefill(cache, prompt[:-1])
-    tree = build_guess_tree([(9, 8, 7), (9, 6, 5)])
-    layout = step_layout(2, 3, tree)
-    tokens = torch.randint(3, 128, (layout.size,), generator=torch.Generator().manual_seed(8))
-    tokens[0] = prompt[-1]
-    past = cache.get_seq_length()
-    runner.logits(cache, tokens, past + layout.offsets, layout.allowed, layout.logit_rows)
-    kept = torch.cat([torch.zeros(1, dtype=torch.long), tree.paths[1, :2] + layout.tree_start])
-    runner.commit(cache, past, kept)
-    committed = torch.cat([prompt[:-1], tokens[kept]])
-    fresh = runner.new_cache()
-    runner.prefill(fresh, committed)
-    assert cache.get_seq_length() == committed.numel()
-    for ours, reference in zip(cache.layers, fresh.layers):
-        torch.testing.assert_close(ours.keys, reference.keys, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(ours.values, reference.values, rtol=1e-4, atol=1e-5)
+    prompts = [random_prompt(length, 7 + length)[0] for length in (20, 250, 3)]
+    store = prefilled_store(runner, [p[:-1] for p in prompts])
+    trees = [build_guess_tree([(9, 8, 7), (9, 6, 5)]), build_guess_tree([(4,)]), build_guess_tree([])]
+    layouts = [step_layout(2, 3, trees[0]), step_layout(0, 0, trees[1]), step_layout(1, 2, trees[2])]
+    steps = []
+    for index, (prompt, layout) in enumerate(zip(prompts, layouts)):
+        tokens = torch.randint(3, 128, (layout.size,), generator=torch.Generator().manual_seed(8 + index))
+        tokens[0] = prompt[-1]
+        steps.append(StepInput(tokens, layout.offsets, layout.allowed, layout.logit_rows))
+    runner.forward(store, pack_steps([0, 1, 2], list(store.lengths), steps))
+    kept_rows = [torch.cat([torch.zeros(1, dtype=torch.long), trees[0].paths[1, :2] + layouts[0].tree_start]),
+                 torch.tensor([0, layouts[1].tree_start]), torch.zeros(1, dtype=torch.long)]
+    for slot, kept in enumerate(kept_rows):
+        store.keep(slot, kept)
+    committed = [torch.cat([p[:-1], s.tokens[k]]) for p, s, k in zip(prompts, steps, kept_rows)]
+    fresh = prefilled_store(runner, committed)
+    assert store.lengths == fresh.lengths == [c.numel() for c in committed]
+    for ours, reference in zip(store.key_buffers + store.value_buffers, fresh.key_buffers + fresh.value_buffers):
+        for slot, length in enumerate(store.lengths):
+            torch.testing.assert_close(ours[slot, :, :length], reference[slot, :, :length], rtol=1e-4, atol=1e-5)
 
 
 def test_phase_seconds_account_for_the_whole_call(llama_tiny):

@@ -18,9 +18,10 @@ from transformers import PreTrainedModel
 
 from .hf import HFModelRunner
 from .models import cache_root
+from .runtime.batch import causal_step, pack_steps
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
-COST_FORMAT_VERSION = 1
+COST_FORMAT_VERSION = 2
 
 
 class CostCurve:
@@ -54,20 +55,19 @@ def forward_cost(
     `context`-token cache, through the same path lookahead steps take."""
     vocab = runner.model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(0)
-    cache = runner.new_cache()
-    runner.prefill(cache, torch.randint(vocab, (context,), generator=generator))
+    store = runner.new_store(1, context + max(sizes))
+    runner.forward(store, pack_steps([0], [0], [causal_step(torch.randint(vocab, (context,), generator=generator))]))
+    store.extend(0, context)
     medians = {}
     for k in sizes:
-        tokens = torch.randint(vocab, (k,), generator=generator)
-        allowed = torch.ones(k, k, dtype=torch.bool).tril()
+        batch = pack_steps([0], [context], [causal_step(torch.randint(vocab, (k,), generator=generator), logits=k)])
         times = []
         for _ in range(repeats + 1):  # the first is a warm-up
             start = time.perf_counter()
-            runner.logits(cache, tokens, context + torch.arange(k), allowed, torch.arange(k))
+            runner.forward(store, batch)
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
             times.append(time.perf_counter() - start)
-            runner.commit(cache, context, torch.zeros(0, dtype=torch.long))
         medians[k] = statistics.median(times[1:])
     base = medians[sizes[0]]
     return [CostPoint(k, medians[k], medians[k] / base) for k in sizes]

@@ -1,70 +1,31 @@
-"""`generate`: lookahead decoding of one sequence with a Hugging Face causal LM."""
+"""`generate`: lookahead decoding of one prompt or a batch with a Hugging Face causal LM, on the engine."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessor, PreTrainedModel
 
-from .config import AUTO_CONFIG, LookaheadConfig
-from .core.decoder import LookaheadDecoder
+from .config import LookaheadConfig
 from .core.drafts import Proposer
 from .core.suffix import Corpus
-from .costs import cost_curve
-from .hf import HFModelRunner, context_length, vocabulary_size
-from .sampling import decoding_rule
-
-
-@dataclass
-class GenerationStats:
-    steps: int = 0  # forward passes after the prompt's prefill
-    new_tokens: int = 0
-    seconds: float = 0.0
-    forward_seconds: float = 0.0  # inside the model's forward (prefill included); the rest is our overhead
-    tokens_fed: int = 0  # tokens fed to the model over all steps (the per-step FLOPs budget)
-    accepted_per_step: list[int] = field(default_factory=list, repr=False)
-    accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted guess tokens per draft source
-    window: int = 0  # columns of the lookahead window the step fed (the budget's choice under `budget`)
-    # Where the time went: prefill; per step, plan (pool lookup, guess tree, layout), inputs (mask,
-    # positions), forward (the model), verify (verification, window and pool update), commit (cache);
-    # other: the rest (the loop itself, streamer).
-    phase_seconds: dict[str, float] = field(default_factory=dict, repr=False)
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.new_tokens / self.steps if self.steps else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
-
-    def as_dict(self) -> dict[str, float | int]:
-        return {
-            "steps": self.steps,
-            "new_tokens": self.new_tokens,
-            "tokens_per_step": self.tokens_per_step,
-            "seconds": self.seconds,
-            "tokens_per_second": self.tokens_per_second,
-            "forward_seconds": self.forward_seconds,
-            "tokens_fed": self.tokens_fed,
-            "accepted_by_source": dict(self.accepted_by_source),
-            "window": self.window,
-            "phase_seconds": dict(self.phase_seconds),
-        }
+from .engine import Engine, GenerationStats, RequestParams, check_request, eos_ids
 
 
 @dataclass
 class GenerateOutput:
-    sequences: torch.LongTensor  # [1, prompt + new]
+    sequences: torch.LongTensor  # [B, n + T]
     stats: GenerationStats
 
 
 def generate(
     model: PreTrainedModel,
-    input_ids: torch.Tensor | list[int],
+    input_ids: torch.Tensor | list[int] | list[list[int]] | list[torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
     max_new_tokens: int = 128,
     config: LookaheadConfig | None = None,
     eos_token_id: int | Iterable[int] | None = None,
@@ -83,143 +44,99 @@ def generate(
     """Decoding with lookahead. Greedy (the default) gives `model.generate(do_sample=False)`'s output token
     for token; sampling (`do_sample=True`) draws from the same distribution as `model.generate(do_sample=True)`
     with the same options (docs/sampling.md). Unset sampling options come from the model's generation
-    config, as in `generate`; `temperature=0` means greedy; `generator` seeds the sampling.
+    config, as in `generate`; `temperature=0` means greedy; `generator` seeds the sampling (one generator,
+    drawn from by every sequence of a batch in turn).
+
+    input_ids: one prompt ([n] or [1, n]); a batch [B, n], left-padded where `attention_mask` (transformers'
+    convention, 1 for a token, 0 for padding) says so; or a list of 1-D prompts of any lengths. The batch is
+    decoded together by an `Engine` (batch size 1 too). `sequences`: for a tensor, the input followed by the
+    new tokens, [B, n + T], right-padded with the pad id after a sequence stops; for a list, each prompt
+    followed by its new tokens, right-padded.
 
     config: None means `AUTO_CONFIG`: the n-gram pool, the window and the suffix source, each step sized to
-    the model's forward cost on this device (measured once, cached). corpus: text shared across calls; the
-    suffix source drafts from it, and this call's prompt and output are added to it at the end.
-    proposers: more draft sources (`lookahead.core.drafts.Proposer`), merged into the same tree.
-    input_ids: [1, n] or [n] token ids (batch size 1). eos_token_id: one id or several; None takes the
-    model's generation config. streamer: any transformers streamer; it gets the prompt, then every
-    committed token. packed_linear: run the model's linear layers on oneDNN-prepacked weights (CPU
-    float32/bfloat16 only; None: for the step sizes where that measured faster on this machine); see
-    `hf.PackedLinears`.
+    the model's forward cost on this device (measured once, cached) and shared across the batch. corpus:
+    text shared across calls and sequences; the suffix source drafts from it, and each sequence's prompt and
+    output are added to it when it finishes. proposers: more draft sources (`lookahead.core.drafts.Proposer`),
+    merged into the same tree (one prompt only: a proposer keeps one sequence's state).
+    eos_token_id: one id or several; None takes the model's generation config. streamer: any transformers
+    streamer (one prompt only); it gets the prompt, then every committed token. packed_linear: run the
+    model's linear layers on oneDNN-prepacked weights (CPU float32/bfloat16 only; None: for the step sizes
+    where that measured faster on this machine); see `hf.PackedLinears`.
     """
     if config is not None and not isinstance(config, LookaheadConfig):
         raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")
-    runner = HFModelRunner(model, packed_linear=packed_linear)
-    prompt = check_request(model, input_ids, max_new_tokens)
-    config = AUTO_CONFIG if config is None else config
-    if corpus is not None and not isinstance(corpus, Corpus):
-        raise TypeError(f"corpus must be a lookahead Corpus or None, got {type(corpus).__name__}")
-    rule = decoding_rule(model, do_sample, temperature, top_k, top_p, repetition_penalty, logits_processor, generator)
-    stop_ids = _eos_ids(model, eos_token_id)
-
-    # The cost curve sizes budgeted steps; measuring it (once per model shape and machine, before the clock
-    # starts) also settles which linear path runs (hf.PackedLinears).
-    cost = cost_curve(runner) if config.budget or runner.packing is None else None
+    prompts, layout = _prompts(input_ids, attention_mask)
+    checked = [check_request(model, prompt, max_new_tokens) for prompt in prompts]
+    if len(checked) > 1 and streamer is not None:
+        raise ValueError("streamer takes one sequence: pass one prompt, or no streamer")
+    if len(checked) > 1 and proposers:
+        raise ValueError("proposers keep one sequence's state: pass one prompt, or no proposers")
+    engine = Engine(model, max_batch=len(checked), max_length=max(p.numel() for p in checked) + max_new_tokens,
+                    packed_linear=packed_linear)
+    params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
+                           repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers))
     start = time.perf_counter()
-    stats = GenerationStats()
-    lap = _Laps(stats.phase_seconds)
-    decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform, corpus=corpus,
-                               cost=cost, proposers=proposers)
-    stats.window = decoder.window.width
-    cache = runner.new_cache()
-    if prompt.numel() > 1:
-        runner.prefill(cache, prompt[:-1])
-    lap("prefill")
-    prefill_forward = runner.forward_seconds
+    ids = [engine.add_request(prompt, params) for prompt in checked]
+    generated: dict[int, list[int]] = {i: [] for i in ids}
+    finished: dict[int, GenerationStats] = {}
     if streamer is not None:
-        streamer.put(prompt.view(1, -1))
-    generated: list[int] = []
-    while len(generated) < max_new_tokens:
-        lap("other")
-        plan = decoder.plan()
-        lap("plan")
-        past = cache.get_seq_length()
-        logits = runner.logits(cache, plan.tokens, past + plan.layout.offsets, plan.layout.allowed, plan.layout.logit_rows)
-        lap("inputs")
-        stats.tokens_fed += plan.layout.size
-        result = decoder.update(plan, logits)
-        lap("verify")
-        tokens = result.tokens[: max_new_tokens - len(generated)]
-        finished = False
-        for index, token in enumerate(tokens):
-            if token in stop_ids:
-                tokens, finished = tokens[: index + 1], True
-                break
-        generated.extend(tokens)
-        stats.steps += 1
-        stats.accepted_per_step.append(len(tokens))
-        if streamer is not None:
-            streamer.put(torch.tensor(tokens))
-        if finished or len(generated) >= max_new_tokens:
-            break
-        runner.commit(cache, past, result.kept_rows)
-        lap("commit")
+        streamer.put(checked[0].view(1, -1))
+    while engine.has_unfinished():
+        for output in engine.step():
+            generated[output.request_id].extend(output.tokens)
+            if streamer is not None and output.tokens:
+                streamer.put(torch.tensor(output.tokens))
+            if output.finished:
+                finished[output.request_id] = output.stats
     if streamer is not None:
         streamer.end()
-    lap("other")
-    stats.new_tokens = len(generated)
-    stats.accepted_by_source = dict(decoder.accepted_by_source)
-    if corpus is not None:
-        corpus.add(prompt.tolist() + generated)
+    stats = engine.stats
     stats.seconds = time.perf_counter() - start
-    stats.forward_seconds = runner.forward_seconds
-    stats.phase_seconds["forward"] = runner.forward_seconds - prefill_forward
-    stats.phase_seconds["inputs"] -= stats.phase_seconds["forward"]  # the lap ran the forward too
-    sequences = torch.cat([prompt, torch.tensor(generated, dtype=torch.long)]).view(1, -1)
+    stats.per_sequence = [finished[i] for i in ids]
+    stats.window = max(s.window for s in stats.per_sequence)
+    stats.accepted_by_source = dict(sum((Counter(s.accepted_by_source) for s in stats.per_sequence), Counter()))
+    pad = _pad_id(model)
+    outputs = [generated[i] for i in ids]
+    if layout is None:  # a list of prompts: each row is its prompt and its output
+        rows = [prompt.tolist() + output for prompt, output in zip(checked, outputs)]
+        width = max(map(len, rows))
+        sequences = torch.tensor([row + [pad] * (width - len(row)) for row in rows], dtype=torch.long)
+    else:
+        width = max(map(len, outputs))
+        new = torch.tensor([output + [pad] * (width - len(output)) for output in outputs], dtype=torch.long)
+        sequences = torch.cat([layout, new.view(len(outputs), width)], dim=1)
     return GenerateOutput(sequences, stats)
 
 
-def check_request(model: PreTrainedModel, input_ids: torch.Tensor | list[int], max_new_tokens: int) -> torch.Tensor:
-    """The prompt as a 1-D long tensor, once every check that needs no forward pass has passed: the ids
-    lie in the model's vocabulary and the prompt plus `max_new_tokens` fits the model's context.
-    Raises ValueError naming the argument and what is allowed."""
-    prompt = _prompt_tensor(input_ids)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    vocabulary = vocabulary_size(model)
-    outside = prompt[(prompt < 0) | (prompt >= vocabulary)]
-    if outside.numel():
-        raise ValueError(
-            f"input_ids holds token id {int(outside[0])}, outside the model's vocabulary [0, {vocabulary})"
-        )
-    context = context_length(model)
-    if context is not None and prompt.numel() > context:
-        raise ValueError(f"the prompt has {prompt.numel()} tokens, more than the model's context of {context} positions")
-    if context is not None and prompt.numel() + max_new_tokens > context:
-        raise ValueError(
-            f"the prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new_tokens}) = "
-            f"{prompt.numel() + max_new_tokens} exceeds the model's context of {context} positions; "
-            f"max_new_tokens can be at most {context - prompt.numel()} for this prompt"
-        )
-    return prompt
-
-
-def _prompt_tensor(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
+def _prompts(input_ids, attention_mask: torch.Tensor | None) -> tuple[list, torch.Tensor | None]:
+    """The prompts of a call, and the input tensor the output keeps (None for a list of prompts)."""
+    if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, torch.Tensor)):
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with a [B, n] tensor of input_ids, not with a list of prompts")
+        return list(input_ids), None
     ids = torch.as_tensor(input_ids)
-    if ids.numel() == 0:
-        raise ValueError("input_ids is empty: the prompt needs at least one token")
-    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise ValueError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
-    if ids.dim() == 2:
-        if ids.shape[0] != 1:
-            raise ValueError(f"input_ids must have batch size 1 (shape [1, n]), got shape {list(ids.shape)}")
-        ids = ids[0]
-    elif ids.dim() != 1:
-        raise ValueError(f"input_ids must have shape [1, n] or [n], got shape {list(ids.shape)}")
-    return ids.to(torch.long).cpu()
+    if ids.dim() != 2:
+        if attention_mask is not None:
+            raise ValueError(f"attention_mask needs input_ids of shape [B, n], got shape {list(ids.shape)}")
+        return [ids], ids.reshape(1, -1).to(torch.long).cpu()
+    if attention_mask is None:
+        return list(ids), ids.to(torch.long).cpu()
+    mask = torch.as_tensor(attention_mask)
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask must have the shape of input_ids {list(ids.shape)}, got {list(mask.shape)}")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
+    mask = mask.to(torch.long)
+    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        raise ValueError("attention_mask must pad on the left (zeros before ones in every row); "
+                         "pass a list of prompts for other layouts")
+    return [row[keep.bool()] for row, keep in zip(ids, mask)], ids.to(torch.long).cpu()
 
 
-class _Laps:
-    """Adds the time since the previous lap to `totals[name]`."""
-
-    def __init__(self, totals: dict[str, float]) -> None:
-        self.totals = totals
-        self.last = time.perf_counter()
-
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        self.totals[name] = self.totals.get(name, 0.0) + now - self.last
-        self.last = now
-
-
-def _eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None) -> set[int]:
-    if eos_token_id is None:
-        eos_token_id = getattr(model.generation_config, "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
-    if isinstance(eos_token_id, int):
-        return {eos_token_id}
-    return set(torch.as_tensor(list(eos_token_id)).tolist())
+def _pad_id(model: PreTrainedModel) -> int:
+    """The id that fills a sequence after it stops: the model's pad token, else its first EOS token, else 0."""
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    if pad is None:
+        stops = eos_ids(model, None)
+        pad = min(stops) if stops else 0
+    return int(pad)

@@ -1,5 +1,5 @@
-"""Adapter for Hugging Face causal LMs: runs one lookahead step through the model's public forward
-(4-D attention mask, explicit position ids, a `DynamicCache`) and commits the cache afterwards."""
+"""Adapter for Hugging Face causal LMs: runs a step of one or many sequences through the model's public
+forward (a 4-D attention mask, explicit position ids, and our `KVStore` as the cache)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import PreTrainedModel
+
+from .runtime.batch import StepBatch
+from .runtime.kv import KVStore
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -29,42 +31,6 @@ def vocabulary_size(model: PreTrainedModel) -> int:
 def context_length(model: PreTrainedModel) -> int | None:
     """The most positions the model was built for (None where its config does not say)."""
     return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-
-
-class GrowingLayer(DynamicLayer):
-    """A `DynamicLayer` that appends into spare capacity instead of concatenating.
-
-    `DynamicLayer.update` copies the whole layer cache on every step (`torch.cat`); here `keys`/`values`
-    are views of the first `length` positions of larger buffers, which double when full, so a step
-    writes only its own rows. Rolling back is re-slicing the view.
-    """
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self.keys = key_states[..., :0, :]
-        self.values = value_states[..., :0, :]
-        self._key_buffer = self._value_buffer = None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        start = self.keys.shape[-2]
-        end = start + key_states.shape[-2]
-        if self._key_buffer is None or end > self._key_buffer.shape[-2]:
-            self._key_buffer = self._grown(self._key_buffer, self.keys, key_states, end)
-            self._value_buffer = self._grown(self._value_buffer, self.values, value_states, end)
-        self._key_buffer[..., start:end, :] = key_states
-        self._value_buffer[..., start:end, :] = value_states
-        self.keys = self._key_buffer[..., :end, :]
-        self.values = self._value_buffer[..., :end, :]
-        return self.keys, self.values
-
-    @staticmethod
-    def _grown(buffer: torch.Tensor | None, kept: torch.Tensor, new: torch.Tensor, needed: int) -> torch.Tensor:
-        capacity = max(needed, 2 * (0 if buffer is None else buffer.shape[-2]), 256)
-        grown = new.new_empty((*new.shape[:-2], capacity, new.shape[-1]))
-        grown[..., : kept.shape[-2], :] = kept
-        return grown
 
 
 class PackedLinears:
@@ -110,34 +76,40 @@ def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
 _PACKED: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
 
 
+def check_model(model: PreTrainedModel) -> None:
+    """Raise UnsupportedModelError, saying why, for a model lookahead cannot drive."""
+    if not isinstance(model, PreTrainedModel) or not hasattr(model, "get_output_embeddings"):
+        raise UnsupportedModelError(f"model must be a transformers causal LM, got {type(model).__name__}")
+    config = model.config.get_text_config(decoder=True)
+    attention = getattr(model.config, "_attn_implementation", None) or "eager"
+    if attention not in SUPPORTED_ATTENTION:
+        raise UnsupportedModelError(
+            f"attention implementation {attention!r} cannot take a custom 4-D mask; load the model with "
+            f"attn_implementation set to one of {SUPPORTED_ATTENTION}"
+        )
+    unsupported = set(getattr(config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES
+    if unsupported:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has layers of type {sorted(unsupported)}; lookahead needs attention layers "
+            f"whose cache can be rolled back ({sorted(SUPPORTED_LAYER_TYPES)})"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError("encoder-decoder models are not supported; use a decoder-only causal LM")
+    parameters = inspect.signature(model.forward).parameters
+    cache_argument = "cache" if "cache" in parameters else "past_key_values"
+    if cache_argument not in parameters or "position_ids" not in parameters:
+        raise UnsupportedModelError(f"{type(model).__name__}.forward must accept attention_mask, position_ids and a cache")
+
+
 class HFModelRunner:
     """Wraps a causal LM; all lookahead glue that knows about transformers lives here."""
 
     def __init__(self, model: PreTrainedModel, packed_linear: bool | None = None) -> None:
-        if not isinstance(model, PreTrainedModel) or not hasattr(model, "get_output_embeddings"):
-            raise UnsupportedModelError(f"model must be a transformers causal LM, got {type(model).__name__}")
+        check_model(model)
         config = model.config.get_text_config(decoder=True)
-        attention = getattr(model.config, "_attn_implementation", None) or "eager"
-        if attention not in SUPPORTED_ATTENTION:
-            raise UnsupportedModelError(
-                f"attention implementation {attention!r} cannot take a custom 4-D mask; load the model with "
-                f"attn_implementation set to one of {SUPPORTED_ATTENTION}"
-            )
         self.layer_types: list[str] | None = getattr(config, "layer_types", None)
-        unsupported = set(self.layer_types or ()) - SUPPORTED_LAYER_TYPES
-        if unsupported:
-            raise UnsupportedModelError(
-                f"{type(model).__name__} has layers of type {sorted(unsupported)}; lookahead needs attention layers "
-                f"whose cache can be rolled back ({sorted(SUPPORTED_LAYER_TYPES)})"
-            )
-        if getattr(config, "is_encoder_decoder", False):
-            raise UnsupportedModelError("encoder-decoder models are not supported; use a decoder-only causal LM")
         parameters = inspect.signature(model.forward).parameters
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
-        if self.cache_argument not in parameters or "position_ids" not in parameters:
-            raise UnsupportedModelError(
-                f"{type(model).__name__}.forward must accept attention_mask, position_ids and a cache"
-            )
         self.keeps_some_logits = "logits_to_keep" in parameters
         # Sliding-window layers get a mask limited to the window; the cache itself keeps everything.
         window = getattr(config, "sliding_window", None)
@@ -159,66 +131,51 @@ class HFModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, **kwargs):
         start = time.perf_counter()
-        packed = self._packed is not None and self.packed_from is not None and input_ids.shape[1] >= self.packed_from
+        packed = self._packed is not None and self.packed_from is not None and input_ids.numel() >= self.packed_from
         with self._packed.active() if packed else nullcontext():
             out = self.model(input_ids=input_ids, use_cache=True, **kwargs)
         self.forward_seconds += time.perf_counter() - start
         return out
 
-    def new_cache(self) -> DynamicCache:
-        # No config: every layer is a full-length `GrowingLayer`, which can drop arbitrary entries.
-        cache = DynamicCache()
-        cache.layer_class_to_replicate = GrowingLayer
-        return cache
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.get_text_config(decoder=True).num_hidden_layers
+
+    def kv_bytes_per_position(self) -> int:
+        """Bytes the KV store holds per cached position of one sequence (keys and values, every layer)."""
+        config = self.model.config.get_text_config(decoder=True)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 2 * self.num_layers * heads * head_dim * torch.finfo(self.dtype).bits // 8
+
+    def new_store(self, slots: int, capacity: int) -> KVStore:
+        return KVStore(self.num_layers, slots, capacity)
 
     @torch.inference_mode()
-    def prefill(self, cache: DynamicCache, tokens: torch.Tensor) -> None:
-        """Run the committed tokens (1-D) through the model to fill the cache."""
-        positions = torch.arange(tokens.numel(), device=self.device)
-        kwargs = {"logits_to_keep": 1} if self.keeps_some_logits else {}
-        self._forward(
-            input_ids=tokens.view(1, -1).to(self.device),
-            position_ids=positions.view(1, -1),
-            **{self.cache_argument: cache},
-            **kwargs,
-        )
-        self._check_cache(cache)
-
-    @torch.inference_mode()
-    def logits(
-        self,
-        cache: DynamicCache,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        allowed: torch.Tensor,
-        logit_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """Feed one step (tokens at absolute positions, `allowed` [q, q] attention within the step)
-        on top of the cached prefix; return the logits at `logit_rows` as [len(logit_rows), vocab]."""
-        past = cache.get_seq_length()
-        mask = self._attention_mask(past, positions, allowed)
-        kwargs = {"logits_to_keep": logit_rows.to(self.device)} if self.keeps_some_logits else {}
+    def forward(self, store: KVStore, batch: StepBatch) -> torch.Tensor:
+        """Run one packed step over `store`; the logits at `batch.logit_rows`, [B, len(logit_rows), vocab].
+        The step's keys and values are written to the store; `store.keep`/`extend` decide what stays."""
+        store.begin(batch.slots, batch.height, batch.visible.shape[-1], self.device)
+        kwargs = {"logits_to_keep": batch.logit_rows.to(self.device)} if self.keeps_some_logits else {}
         out = self._forward(
-            input_ids=tokens.view(1, -1).to(self.device),
-            position_ids=positions.view(1, -1).to(self.device),
-            attention_mask=mask,
-            **{self.cache_argument: cache},
+            input_ids=batch.tokens.to(self.device),
+            position_ids=batch.positions.to(self.device),
+            attention_mask=self._attention_mask(batch),
+            **{self.cache_argument: store},
             **kwargs,
         )
-        logits = out.logits[0]
-        return logits if self.keeps_some_logits else logits[logit_rows.to(self.device)]
+        if not store.allocated():
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} did not write its keys and values through the cache it was given; "
+                "lookahead needs them in its KV store")
+        return out.logits if self.keeps_some_logits else out.logits[:, batch.logit_rows.to(self.device)]
 
-    def _attention_mask(
-        self, past: int, positions: torch.Tensor, allowed: torch.Tensor
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
-        size = positions.numel()
-        visible = torch.cat([torch.ones(size, past, dtype=torch.bool), allowed], dim=1)
-        full = self._additive(visible)
+    def _attention_mask(self, batch: StepBatch) -> torch.Tensor | dict[str, torch.Tensor]:
+        full = self._additive(batch.visible)
         if self.sliding_window is None:
             return full
-        key_positions = torch.cat([torch.arange(past), positions])
-        in_window = positions[:, None] - key_positions[None, :] < self.sliding_window
-        sliding = self._additive(visible & in_window)
+        in_window = batch.positions[:, :, None] - batch.key_positions[:, None, :] < self.sliding_window
+        sliding = self._additive(batch.visible & in_window)
         if self.layer_types is None:
             return sliding
         return {"full_attention": full, "sliding_attention": sliding}
@@ -226,26 +183,4 @@ class HFModelRunner:
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(visible.shape, dtype=self.dtype)
         mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-        return mask.view(1, 1, *visible.shape).to(self.device)
-
-    @torch.inference_mode()
-    def commit(self, cache: DynamicCache, past: int, kept_rows: torch.Tensor) -> None:
-        """Keep the cached prefix plus the step rows `kept_rows` (in order); drop the rest of the step."""
-        kept = past + kept_rows.to(self.device)
-        length = past + kept_rows.numel()
-        contiguous = bool((kept_rows == torch.arange(kept_rows.numel())).all())
-        for layer in cache.layers:
-            if not contiguous:
-                layer.keys[..., past:length, :] = layer.keys.index_select(-2, kept)
-                layer.values[..., past:length, :] = layer.values.index_select(-2, kept)
-            layer.keys = layer.keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
-
-    @staticmethod
-    def _check_cache(cache: DynamicCache) -> None:
-        for layer in cache.layers:
-            if type(layer) is not GrowingLayer:
-                raise UnsupportedModelError(
-                    f"the model filled a cache layer of type {type(layer).__name__}; lookahead needs the "
-                    "GrowingLayer entries it created, which it can roll back"
-                )
+        return mask.unsqueeze(1).to(self.device)

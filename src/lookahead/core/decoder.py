@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import LookaheadConfig
-from .drafter import AcceptanceStats, merge_drafts, window_width
+from .drafter import AcceptanceStats, RankedNodes, RowDemand, node_counts, rank_nodes, window_width
 from .drafts import Draft, Proposer
 from .layout import GuessTree, StepLayout, step_layout
 from .pool import NGramPool, PoolProposer
@@ -37,6 +37,12 @@ class StepPlan:
     tree: GuessTree
     drafts: list[Draft]  # every source's drafts this step, fed or not
     sources: tuple[str, ...]  # per tree node: the source it was fed for
+
+
+@dataclass(frozen=True)
+class Proposal:
+    drafts: list[Draft]  # every source's drafts, in the order proposed
+    nodes: RankedNodes  # their merged nodes, likeliest first
 
 
 @dataclass(frozen=True)
@@ -81,16 +87,36 @@ class LookaheadDecoder:
         width = window_width(self.cost, config.window, config.levels) if self.cost else config.window
         self.window = LookaheadWindow(random.Random(config.seed).choices(prompt, k=width), config.levels)
 
-    def plan(self) -> StepPlan:
-        """The next step's input: the last committed token, the window, and the tree of drafts that follow."""
+    def propose(self) -> Proposal:
+        """Every source's drafts for the next step, merged and ranked."""
         limit = max(self.config.ngram - 1, self.config.suffix)
         drafts = [draft for proposer in self.proposers for draft in proposer.propose(self.sequence, limit)]
-        window_tokens = self.window.tokens
-        merged = merge_drafts(drafts, self.stats, self.cost, 1 + len(window_tokens),
-                              MAX_TREE_NODES if self.cost else None)
-        layout = step_layout(len(self.window.levels), self.window.width, merged.tree)
+        return Proposal(drafts, rank_nodes(drafts, self.stats, MAX_TREE_NODES if self.cost else None))
+
+    def demand(self, proposal: Proposal, window: bool = True, most: int | None = None) -> RowDemand:
+        """The rows this sequence asks of the next step (`window`: feed the window; `most`: cap on rows)."""
+        base = 1 + (len(self.window.tokens) if window else 0)
+        return RowDemand(base, proposal.nodes.probabilities, self.cost is not None,
+                         most if most is not None else base + len(proposal.nodes.prefixes))
+
+    def window_pays(self, batch: int) -> bool:
+        """Whether the window's rows are nearly free in a step of `batch` sequences (always, unbudgeted)."""
+        width = self.window.width
+        return self.cost is None or window_width(self.cost, width, self.config.levels, batch) == width
+
+    def plan(self, proposal: Proposal | None = None, nodes: int | None = None, window: bool = True) -> StepPlan:
+        """The next step's input: the last committed token, the window (unless `window` is False: it then
+        waits, unchanged) and the tree of the `nodes` likeliest draft nodes. Without arguments: this
+        sequence's own proposal, sized as a step of its own."""
+        proposal = proposal or self.propose()
+        if nodes is None:
+            nodes = node_counts([self.demand(proposal, window)], self.cost)[0]
+        merged = proposal.nodes.tree(nodes)
+        window_tokens = self.window.tokens if window else []
+        levels, width = (len(self.window.levels), self.window.width) if window_tokens else (0, 0)
+        layout = step_layout(levels, width, merged.tree)
         tokens = torch.tensor([self.sequence[-1]] + window_tokens + merged.tree.tokens)
-        return StepPlan(tokens, layout, merged.tree, drafts, merged.sources)
+        return StepPlan(tokens, layout, merged.tree, proposal.drafts, merged.sources)
 
     def update(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
         """Verify, commit and learn. logits: [len(plan.layout.logit_rows), vocab], the model's outputs at

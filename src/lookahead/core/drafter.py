@@ -1,9 +1,10 @@
 """The drafter: merges every source's drafts into one token tree and keeps the nodes worth their cost.
 
 Each node's chance of being accepted is estimated online, per source, matched-context length and depth;
-a step of k fed tokens costs T(k) (the forward cost curve of the model on this device). The tree keeps
-the k likeliest nodes that maximise (1 + expected accepted tokens) / T(k): a step is cheap where extra
-rows are nearly free (a GPU) and lean where they are not.
+a step of k fed tokens costs T(k) (the forward cost curve of the model on this device). A step of B
+sequences padded to h rows each keeps, for every sequence, its h likeliest rows, with h maximising
+(expected tokens of the batch) / T(B * h): a step is wide where extra rows are nearly free (a GPU, a
+small batch) and lean where they are not.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class AcceptanceStats:
     def record(self, drafts: Sequence[Draft], committed: Sequence[int]) -> None:
         """`committed`: the tokens the step committed (the model's own choices), so each draft is scored
         as deep as they reach, whether or not its tokens were fed. `drafts` in the order they were
-        proposed, as given to `merge_drafts`."""
+        proposed, as given to `rank_nodes`."""
         for draft, rank in _ranked(drafts):
             key = (draft.source, rank, _context_bucket(draft.context))
             for depth, (guessed, actual) in enumerate(zip(draft.tokens, committed), start=1):
@@ -66,16 +67,23 @@ class DraftTree:
     expected: float  # expected accepted guess tokens (the bonus token not counted)
 
 
-def merge_drafts(
-    drafts: Sequence[Draft],
-    stats: AcceptanceStats,
-    cost: Callable[[int], float] | None,
-    fixed_rows: int,
-    max_nodes: int | None,
-) -> DraftTree:
-    """One token tree from the drafts: every node when `cost` is None, else the likeliest nodes that maximise
-    expected tokens per unit of step cost; at most `max_nodes` (None: no cap). `fixed_rows`: rows the step
-    feeds anyway (the last token and the window)."""
+@dataclass(frozen=True)
+class RankedNodes:
+    """Every node the drafts offer, likeliest first: any leading run of them is a tree."""
+
+    prefixes: list[tuple[int, ...]]  # each node as the prefix that ends in it
+    probabilities: list[float]  # estimated chance that the node is accepted
+    sources: list[str]  # the source of the likeliest draft through each node
+
+    def tree(self, count: int) -> DraftTree:
+        """The tree of the `count` likeliest nodes; its nodes come in this same order."""
+        kept = self.prefixes[:count]
+        return DraftTree(build_guess_tree(kept), tuple(self.sources[:count]), sum(self.probabilities[:count]))
+
+
+def rank_nodes(drafts: Sequence[Draft], stats: AcceptanceStats, max_nodes: int | None) -> RankedNodes:
+    """The drafts' nodes, merged (drafts that share a prefix share its nodes) and ranked by estimated
+    acceptance; at most `max_nodes` (None: no cap)."""
     probability: dict[tuple[int, ...], float] = {}  # node (the prefix that ends in it) -> best estimate
     source: dict[tuple[int, ...], str] = {}
     for draft, rank in _ranked(drafts):
@@ -85,26 +93,55 @@ def merge_drafts(
             prefix = draft.tokens[:depth]
             if chance > probability.get(prefix, -1.0):
                 probability[prefix], source[prefix] = chance, draft.source
-    # Likeliest first; a node is never likelier than its parent, and ties put the shallower first, so any
-    # leading run of this order is a tree (every node's parent comes before it).
+    # A node is never likelier than its parent, and ties put the shallower first, so any leading run of
+    # this order is a tree (every node's parent comes before it).
     order = sorted(probability, key=lambda prefix: (-probability[prefix], len(prefix)))[:max_nodes]
-    if cost is not None:
-        best_value, best_count, expected = 1.0 / cost(fixed_rows), 0, 1.0
-        for count, prefix in enumerate(order, start=1):
-            expected += probability[prefix]
-            value = expected / cost(fixed_rows + count)
+    return RankedNodes(order, [probability[p] for p in order], [source[p] for p in order])
+
+
+@dataclass(frozen=True)
+class RowDemand:
+    """What one sequence asks of a step: `base` rows it feeds anyway (the last token, the window), then
+    candidate nodes with acceptance chances `gains` (likeliest first); at most `most` rows in all."""
+
+    base: int
+    gains: Sequence[float]
+    flexible: bool  # the budget may feed fewer nodes (False: feed every node, an unbudgeted config)
+    most: int
+
+    def nodes_within(self, height: int) -> int:
+        return max(0, min(len(self.gains), min(height, self.most) - self.base))
+
+
+def node_counts(demands: Sequence[RowDemand], cost: Callable[[int], float] | None) -> list[int]:
+    """How many nodes each sequence of a step feeds. The step is one forward of every sequence padded to a
+    common height h, so it costs T(B * h) whatever each one uses: h maximises the batch's expected tokens
+    (one per sequence plus its accepted nodes) per unit of cost, and every sequence fills its h rows with
+    its likeliest nodes. Unbudgeted sequences feed all their nodes. A larger batch makes rows dearer, so
+    the tree shrinks towards plain decoding. `cost` None: every node."""
+    if not demands:
+        return []
+    tallest = max(min(d.most, d.base + len(d.gains)) for d in demands)
+    floor = max(min(d.most, d.base + (0 if d.flexible else len(d.gains))) for d in demands)
+    height = tallest
+    if cost is not None and any(d.flexible for d in demands):
+        batch = len(demands)
+        best_value = -1.0
+        for h in range(floor, tallest + 1):
+            expected = sum(1.0 + sum(d.gains[: d.nodes_within(h)]) for d in demands)
+            value = expected / cost(batch * h)
             if value > best_value:
-                best_value, best_count = value, count
-        order = order[:best_count]
-    # Each kept node is given as the prefix that ends in it: the tree's nodes come in this same order.
-    return DraftTree(build_guess_tree(order), tuple(source[p] for p in order), sum(probability[p] for p in order))
+                best_value, height = value, h
+    return [d.nodes_within(height) for d in demands]
 
 
 # The window's rows must be nearly free to be worth it: it feeds the pool rather than the step's output.
 WINDOW_COST_TOLERANCE = 1.1
 
 
-def window_width(cost: Callable[[int], float], max_width: int, levels: int) -> int:
+def window_width(cost: Callable[[int], float], max_width: int, levels: int, batch: int = 1) -> int:
     """The widest window (at most `max_width` columns of `levels` rows) whose rows are nearly free: a step
-    of the last token and the window costs at most WINDOW_COST_TOLERANCE times a one-token step."""
-    return max(w for w in range(max_width + 1) if cost(1 + w * levels) <= WINDOW_COST_TOLERANCE * cost(1))
+    of `batch` sequences each feeding its last token and the window costs at most WINDOW_COST_TOLERANCE
+    times a step of one token each."""
+    return max(w for w in range(max_width + 1)
+               if cost(batch * (1 + w * levels)) <= WINDOW_COST_TOLERANCE * cost(batch))

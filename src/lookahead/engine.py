@@ -1,0 +1,404 @@
+"""The engine: continuous batching of lookahead requests over one model.
+
+Requests join (`add_request`) and leave (finished, or `abort`) between steps. Each `step` runs at most
+one forward of prompt chunks for joining requests, then one forward for every decoding request: their
+step layouts padded to a common height, with a block mask, on a KV store that holds a slot per
+request. Each request keeps its own stop rules, sampling options, lookahead state and statistics; the
+rows of the step are shared across the batch by the forward cost curve (`core.drafter.node_counts`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LogitsProcessor, PreTrainedModel
+
+from .config import AUTO_CONFIG, LookaheadConfig
+from .core.decoder import LookaheadDecoder, StepPlan
+from .core.drafter import node_counts
+from .core.drafts import Proposer
+from .core.suffix import Corpus
+from .costs import CostCurve, cost_curve
+from .hf import HFModelRunner, check_model, context_length, vocabulary_size
+from .runtime.batch import StepInput, causal_step, pack_steps
+from .sampling import decoding_rule
+
+# Rows a step may feed per sequence beyond its committed tokens: the store keeps this much room past
+# `max_length` so that every step, padding included, is written in place.
+STEP_ROOM = 256
+
+
+@dataclass
+class GenerationStats:
+    steps: int = 0  # forward passes after the prompt's prefill
+    new_tokens: int = 0
+    seconds: float = 0.0
+    forward_seconds: float = 0.0  # inside the model's forward (prefill included); the rest is our overhead
+    tokens_fed: int = 0  # tokens fed to the model over all steps (the per-step FLOPs budget)
+    accepted_per_step: list[int] = field(default_factory=list, repr=False)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted guess tokens per draft source
+    window: int = 0  # columns of the lookahead window the step fed (the budget's choice under `budget`)
+    # Where the time went: prefill; per step, plan (drafts, budget, layout, packing), inputs (mask, moving
+    # inputs), forward (the model), verify (verification, window and pool update), commit (KV store);
+    # other: the rest (the loop itself, streamer).
+    phase_seconds: dict[str, float] = field(default_factory=dict, repr=False)
+    per_sequence: list[GenerationStats] = field(default_factory=list, repr=False)  # a batch's, in order
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "steps": self.steps,
+            "new_tokens": self.new_tokens,
+            "tokens_per_step": self.tokens_per_step,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "forward_seconds": self.forward_seconds,
+            "tokens_fed": self.tokens_fed,
+            "accepted_by_source": dict(self.accepted_by_source),
+            "window": self.window,
+            "phase_seconds": dict(self.phase_seconds),
+        }
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """How one request decodes. Greedy by default; sampling options as in `generate` (unset ones come from
+    the model's generation config). seed: this request's own sampling generator, so that its output does
+    not depend on what else is in the batch (or pass `generator`). config None: `AUTO_CONFIG`.
+    corpus: text shared with other requests for the suffix source; the request's prompt and output are
+    added to it when it finishes. proposers: more draft sources, owned by this request."""
+
+    max_new_tokens: int = 128
+    config: LookaheadConfig | None = None
+    eos_token_id: int | Iterable[int] | None = None
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    logits_processor: Sequence[LogitsProcessor] | None = None
+    seed: int | None = None
+    generator: torch.Generator | None = None
+    corpus: Corpus | None = None
+    proposers: Sequence[Proposer] = ()
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: int
+    tokens: list[int]  # committed by this step (after a stop token: none)
+    finished: bool
+    stats: GenerationStats | None = None  # the request's, once finished
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: torch.Tensor
+    params: RequestParams
+    decoder: LookaheadDecoder
+    stop_ids: set[int]
+    stats: GenerationStats
+    started: float
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens in the KV store; all but the last before decoding starts
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == self.prompt.numel() - 1
+
+
+class Engine:
+    """Continuous batching. max_batch: requests decoded together (KV slots); more wait in a queue.
+    max_length: the most positions (prompt + new tokens) of any request; None: the model's context,
+    at most 4096. prefill_chunk: the most prompt tokens fed per step, so that a joining request delays
+    the others by at most one such forward per step. packed_linear: as in `generate`."""
+
+    def __init__(self, model: PreTrainedModel, max_batch: int = 8, max_length: int | None = None,
+                 prefill_chunk: int = 512, packed_linear: bool | None = None) -> None:
+        for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.runner = HFModelRunner(model, packed_linear=packed_linear)
+        context = context_length(model)
+        if max_length is None:
+            max_length = min(context or 4096, 4096)
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+            raise ValueError(f"max_length must be an integer >= 2, got {max_length!r}")
+        if context is not None and max_length > context:
+            raise ValueError(f"max_length ({max_length}) exceeds the model's context of {context} positions")
+        self.model = model
+        self.max_batch, self.max_length, self.prefill_chunk = max_batch, max_length, prefill_chunk
+        _check_memory(self.runner, max_batch, max_length + STEP_ROOM)
+        # The cost curve sizes budgeted steps; measuring it (once per model shape and machine) also
+        # settles which linear path runs (hf.PackedLinears).
+        self.cost: CostCurve = cost_curve(self.runner)
+        self.store = self.runner.new_store(max_batch, max_length + STEP_ROOM)
+        self.stats = GenerationStats()  # of every step, all requests together
+        self._laps = _Laps(self.stats.phase_seconds)
+        self._waiting: deque[_Request] = deque()
+        self._slots: list[_Request | None] = [None] * max_batch
+        self._next_id = 0
+
+    def add_request(self, prompt_ids: torch.Tensor | list[int], params: RequestParams | None = None) -> int:
+        """Queue a request; its id. Raises ValueError, before any work, for a request that cannot run."""
+        params = RequestParams() if params is None else params
+        if not isinstance(params, RequestParams):
+            raise TypeError(f"params must be a RequestParams or None, got {type(params).__name__}")
+        prompt = check_request(self.model, prompt_ids, params.max_new_tokens)
+        if prompt.numel() + params.max_new_tokens > self.max_length:
+            raise ValueError(
+                f"the prompt ({prompt.numel()} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"engine's max_length of {self.max_length} positions")
+        config = AUTO_CONFIG if params.config is None else params.config
+        if not isinstance(config, LookaheadConfig):
+            raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")
+        if 1 + config.window * config.levels > STEP_ROOM // 2:
+            raise ValueError(f"the window of {config.window} x {config.levels} rows is too large for one step; "
+                             f"window x (ngram - 1) must be below {STEP_ROOM // 2}")
+        if params.corpus is not None and not isinstance(params.corpus, Corpus):
+            raise TypeError(f"corpus must be a lookahead Corpus or None, got {type(params.corpus).__name__}")
+        if params.seed is not None and params.generator is not None:
+            raise ValueError("give a request seed or a generator, not both")
+        generator = params.generator
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        rule = decoding_rule(self.model, params.do_sample, params.temperature, params.top_k, params.top_p,
+                             params.repetition_penalty, params.logits_processor, generator)
+        decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform,
+                                   corpus=params.corpus, cost=self.cost, proposers=params.proposers)
+        request = _Request(self._next_id, prompt, params, decoder, eos_ids(self.model, params.eos_token_id),
+                           GenerationStats(window=decoder.window.width), time.perf_counter())
+        self._next_id += 1
+        self._waiting.append(request)
+        return request.id
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting) or any(self._slots)
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a request, waiting or running; its slot is free for the next step. False if unknown."""
+        for request in self._waiting:
+            if request.id == request_id:
+                self._waiting.remove(request)
+                return True
+        for request in self._slots:
+            if request is not None and request.id == request_id:
+                self._free(request)
+                return True
+        return False
+
+    def step(self) -> list[StepOutput]:
+        """Admit waiting requests to free slots, feed a chunk of the joining prompts, and decode one step
+        of every request whose prompt is in; what each request committed."""
+        self._laps("other")
+        self._admit()
+        self._prefill()
+        self._laps("prefill")
+        decoding = [r for r in self._slots if r is not None and r.decoding]
+        if not decoding:
+            return []
+        plans = self._plans(decoding)
+        batch = pack_steps([r.slot for r in decoding], [self.store.lengths[r.slot] for r in decoding],
+                           [StepInput(p.tokens, p.layout.offsets, p.layout.allowed, p.layout.logit_rows)
+                            for p in plans])
+        self._laps("plan")
+        before = self.runner.forward_seconds
+        logits = self.runner.forward(self.store, batch)
+        self._laps("inputs")
+        self.stats.phase_seconds["forward"] = self.stats.phase_seconds.get("forward", 0.0) + (
+            self.runner.forward_seconds - before)
+        self.stats.phase_seconds["inputs"] -= self.runner.forward_seconds - before  # the lap ran the forward
+        self.stats.steps += 1
+        self.stats.tokens_fed += batch.tokens.numel()
+        outputs, kept = [], []
+        for row, (request, plan) in enumerate(zip(decoding, plans)):
+            pick = batch.picks[row]
+            result = request.decoder.update(plan, logits[row] if pick is None else logits[row, pick.to(logits.device)])
+            tokens, finished = self._stop(request, result.tokens)
+            request.stats.steps += 1
+            request.stats.tokens_fed += plan.layout.size
+            request.stats.accepted_per_step.append(len(tokens))
+            outputs.append([request, tokens, finished])
+            if not finished:
+                kept.append((request.slot, result.kept_rows))
+        self._laps("verify")
+        for slot, rows in kept:
+            self.store.keep(slot, rows)
+        self._laps("commit")
+        self.stats.accepted_per_step.append(sum(len(tokens) for _, tokens, _ in outputs))
+        self.stats.new_tokens += self.stats.accepted_per_step[-1]
+        reports = []
+        for request, tokens, finished in outputs:
+            stats = self._finish(request) if finished else None
+            reports.append(StepOutput(request.id, tokens, finished, stats))
+        self.stats.forward_seconds = self.runner.forward_seconds
+        return reports
+
+    def _plans(self, decoding: list[_Request]) -> list[StepPlan]:
+        """Each request's step, sized together: the rows go where they pay for the batch as a whole."""
+        batch = len(decoding)
+        proposals = [r.decoder.propose() for r in decoding]
+        windows = [r.decoder.window_pays(batch) for r in decoding]
+        demands = []
+        for request, proposal, window in zip(decoding, proposals, windows):
+            left = request.params.max_new_tokens - len(request.generated)
+            base = 1 + (len(request.decoder.window.tokens) if window else 0)
+            # Nodes past the last token this request may still commit cannot pay.
+            demands.append(request.decoder.demand(proposal, window, min(base + left - 1, STEP_ROOM)))
+        counts = node_counts(demands, self.cost)
+        return [r.decoder.plan(p, n, w) for r, p, n, w in zip(decoding, proposals, counts, windows)]
+
+    def _stop(self, request: _Request, tokens: list[int]) -> tuple[list[int], bool]:
+        """The tokens the request keeps (up to its stop token or its length) and whether it is done."""
+        left = request.params.max_new_tokens - len(request.generated)
+        tokens = tokens[:left]
+        for index, token in enumerate(tokens):
+            if token in request.stop_ids:
+                tokens = tokens[: index + 1]
+                request.generated.extend(tokens)
+                return tokens, True
+        request.generated.extend(tokens)
+        return tokens, len(request.generated) >= request.params.max_new_tokens
+
+    def _admit(self) -> None:
+        while self._waiting and None in self._slots:
+            request = self._waiting.popleft()
+            request.slot = self._slots.index(None)
+            self._slots[request.slot] = request
+
+    def _prefill(self) -> None:
+        """One forward of prompt chunks: joining requests in order, while the padded chunk fits the budget."""
+        joining = [r for r in self._slots if r is not None and not r.decoding]
+        joining.sort(key=lambda r: r.id)
+        chosen: list[tuple[_Request, int]] = []
+        for request in joining:
+            chunk = min(self.prefill_chunk, request.prompt.numel() - 1 - request.prefilled)
+            height = max([chunk] + [c for _, c in chosen])
+            if chosen and height * (len(chosen) + 1) > self.prefill_chunk:
+                break
+            chosen.append((request, chunk))
+        if not chosen:
+            return
+        # Padding rows of a shorter chunk are written past its end and never kept.
+        batch = pack_steps([r.slot for r, _ in chosen], [r.prefilled for r, _ in chosen],
+                           [causal_step(r.prompt[r.prefilled : r.prefilled + c]) for r, c in chosen])
+        self.runner.forward(self.store, batch)
+        for request, chunk in chosen:
+            self.store.extend(request.slot, chunk)
+            request.prefilled += chunk
+
+    def _finish(self, request: _Request) -> GenerationStats:
+        stats = request.stats
+        stats.new_tokens = len(request.generated)
+        stats.accepted_by_source = dict(request.decoder.accepted_by_source)
+        stats.seconds = time.perf_counter() - request.started
+        if request.params.corpus is not None:
+            request.params.corpus.add(request.prompt.tolist() + request.generated)
+        self._free(request)
+        return stats
+
+    def _free(self, request: _Request) -> None:
+        """Release the request's slot; the highest occupied slot moves down into it, so that the decoding
+        requests keep to the first slots and a step reads the store without gathering."""
+        slot = request.slot
+        self._slots[slot] = None
+        self.store.release(slot)
+        last = max((i for i, r in enumerate(self._slots) if r is not None), default=-1)
+        if last > slot:
+            moved = self._slots[last]
+            self.store.move(last, slot)
+            self._slots[slot], self._slots[last] = moved, None
+            moved.slot = slot
+
+
+def _check_memory(runner: HFModelRunner, slots: int, capacity: int) -> None:
+    """A clear error, before anything is allocated, when the KV store cannot fit the device's free memory."""
+    needed = slots * capacity * runner.kv_bytes_per_position()
+    if runner.device.type == "cuda":
+        free = torch.cuda.mem_get_info(runner.device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > free:
+        raise MemoryError(
+            f"the KV store for max_batch={slots} sequences of up to {capacity} positions needs "
+            f"{needed / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on {runner.device}; "
+            "lower max_batch or max_length")
+
+
+def check_request(model: PreTrainedModel, input_ids: torch.Tensor | list[int], max_new_tokens: int) -> torch.Tensor:
+    """The prompt as a 1-D long tensor, once every check that needs no forward pass has passed: the ids
+    lie in the model's vocabulary and the prompt plus `max_new_tokens` fits the model's context.
+    Raises ValueError naming the argument and what is allowed."""
+    check_model(model)
+    prompt = _prompt_tensor(input_ids)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    vocabulary = vocabulary_size(model)
+    outside = prompt[(prompt < 0) | (prompt >= vocabulary)]
+    if outside.numel():
+        raise ValueError(
+            f"input_ids holds token id {int(outside[0])}, outside the model's vocabulary [0, {vocabulary})"
+        )
+    context = context_length(model)
+    if context is not None and prompt.numel() > context:
+        raise ValueError(f"the prompt has {prompt.numel()} tokens, more than the model's context of {context} positions")
+    if context is not None and prompt.numel() + max_new_tokens > context:
+        raise ValueError(
+            f"the prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new_tokens}) = "
+            f"{prompt.numel() + max_new_tokens} exceeds the model's context of {context} positions; "
+            f"max_new_tokens can be at most {context - prompt.numel()} for this prompt"
+        )
+    return prompt
+
+
+def _prompt_tensor(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids)
+    if ids.numel() == 0:
+        raise ValueError("input_ids is empty: the prompt needs at least one token")
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"input_ids must have batch size 1 (shape [1, n]), got shape {list(ids.shape)}")
+        ids = ids[0]
+    elif ids.dim() != 1:
+        raise ValueError(f"input_ids must have shape [n] or [B, n], or be a list of 1-D prompts; got shape {list(ids.shape)}")
+    return ids.to(torch.long).cpu()
+
+
+def eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None) -> set[int]:
+    """The stop tokens: the ones given, else the model's generation config's (none if it has none)."""
+    if eos_token_id is None:
+        eos_token_id = getattr(model.generation_config, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return set(torch.as_tensor(list(eos_token_id)).tolist())
+
+
+class _Laps:
+    """Adds the time since the previous lap to `totals[name]`."""
+
+    def __init__(self, totals: dict[str, float]) -> None:
+        self.totals = totals
+        self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.totals[name] = self.totals.get(name, 0.0) + now - self.last
+        self.last = now

@@ -1,0 +1,77 @@
+"""Packs the steps of many sequences into one forward: rows padded to a common height, one batch row per
+sequence, each attending to its own cached prefix and, within the step, to what its layout allows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One sequence's rows in a step: tokens at `offsets` after the position of its next cached entry,
+    `allowed` [q, q] attention among them, and the rows whose logits are read."""
+
+    tokens: torch.Tensor  # [q] long
+    offsets: torch.Tensor  # [q] long
+    allowed: torch.Tensor  # [q, q] bool
+    logit_rows: torch.Tensor  # [r] long
+
+
+def causal_step(tokens: torch.Tensor, logits: int = 1) -> StepInput:
+    """Tokens in a row, each after the one before (a prompt chunk); logits for the last `logits` rows."""
+    size = tokens.numel()
+    return StepInput(tokens, torch.arange(size), torch.ones(size, size, dtype=torch.bool).tril(),
+                     torch.arange(size - logits, size))
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    slots: list[int]
+    tokens: torch.Tensor  # [B, h] long; padding rows hold token 0
+    positions: torch.Tensor  # [B, h] long
+    visible: torch.Tensor  # [B, h, attend] bool: row may attend the slot's key at that column
+    key_positions: torch.Tensor  # [B, attend] long: the position of the token cached at each column
+    logit_rows: torch.Tensor  # [U] long: every row any sequence reads, sorted
+    picks: list[torch.Tensor | None]  # per sequence: its rows' places in `logit_rows` (None: all of them)
+
+    @property
+    def height(self) -> int:
+        return self.tokens.shape[1]
+
+
+def pack_steps(slots: Sequence[int], lengths: Sequence[int], steps: Sequence[StepInput]) -> StepBatch:
+    """`lengths[b]`: positions already cached for sequence b, which are also the positions of its tokens;
+    the step's rows are written from there on. Padding rows see only themselves."""
+    batch = len(steps)
+    height = max(step.tokens.numel() for step in steps)
+    cached = torch.tensor(lengths, dtype=torch.long)
+    attend = int(cached.max()) + height
+    tokens = torch.zeros(batch, height, dtype=torch.long)
+    offsets = torch.arange(height).repeat(batch, 1)
+    inner = torch.eye(height, dtype=torch.bool).repeat(batch, 1, 1)
+    for b, step in enumerate(steps):
+        size = step.tokens.numel()
+        tokens[b, :size] = step.tokens
+        offsets[b, :size] = step.offsets
+        inner[b, :size, :size] = step.allowed
+    columns = torch.arange(attend)
+    step_columns = cached[:, None] + torch.arange(height)  # [B, h]: where each row's key is written
+    visible = (columns < cached[:, None]).unsqueeze(1).repeat(1, height, 1)
+    visible.scatter_(2, step_columns.unsqueeze(1).expand(batch, height, height), inner)
+    positions = cached[:, None] + offsets
+    key_positions = columns.repeat(batch, 1).scatter_(1, step_columns, positions)
+    logit_rows, picks = _shared_rows([step.logit_rows for step in steps])
+    return StepBatch(list(slots), tokens, positions, visible, key_positions, logit_rows, picks)
+
+
+def _shared_rows(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The union of the sequences' logit rows, and where each sequence's rows sit in it."""
+    union = torch.unique(torch.cat(list(rows)))  # sorted
+    if all(r.numel() == union.numel() and bool((r == union).all()) for r in rows):
+        return union, [None] * len(rows)
+    place = torch.full((int(union.max()) + 1,), -1, dtype=torch.long)
+    place[union] = torch.arange(union.numel())
+    return union, [place[r] for r in rows]

@@ -1,0 +1,131 @@
+"""A KV store with one length per sequence: preallocated slots, written in place, rolled back by a length."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class KVStore(Cache):
+    """Keys and values of up to `slots` sequences of `capacity` positions each, one buffer per layer of
+    shape [slots, kv heads, capacity, head dim], allocated by the first forward and never again.
+
+    A sequence owns a slot whose first `lengths[slot]` positions are committed. A forward covers some
+    slots (`begin`): batch row b writes its step's rows at its slot's length onward, and attention reads
+    the first `attend` positions of every covered slot (the caller's mask says which of them each row
+    sees). Committing (`keep`) moves the kept rows of a step down in place and sets the length; whatever
+    lies past a length is stale and is overwritten by later steps. A sequence joining, leaving or
+    accepting tokens copies no cache: only `move` (a sequence changing slot) copies its own rows.
+    """
+
+    def __init__(self, num_layers: int, slots: int, capacity: int) -> None:
+        super().__init__(layers=[_StoreLayer(self, index) for index in range(num_layers)])
+        self.slots = slots
+        self.capacity = capacity
+        self.lengths = [0] * slots
+        self.key_buffers: list[torch.Tensor | None] = [None] * num_layers
+        self.value_buffers: list[torch.Tensor | None] = [None] * num_layers
+        self._rows: slice | torch.Tensor = slice(0, 0)  # the slots of this forward, in batch order
+        self._write: torch.Tensor | None = None  # [B, 1, q, 1] position each new row is written at
+        self._attend = 0
+
+    def begin(self, slots: Sequence[int], rows: int, attend: int, device: torch.device) -> None:
+        """Set up a forward whose batch row b feeds `rows` rows for slot `slots[b]`; attention reads the
+        first `attend` positions of each slot."""
+        starts = torch.tensor([self.lengths[slot] for slot in slots], dtype=torch.long)
+        end = int(starts.max()) + rows
+        if end > self.capacity or attend > self.capacity:
+            raise ValueError(f"a step of {rows} rows after {int(starts.max())} cached positions exceeds the "
+                             f"KV store's capacity of {self.capacity} positions per sequence")
+        first = slots[0]
+        contiguous = list(slots) == list(range(first, first + len(slots)))
+        self._rows = slice(first, first + len(slots)) if contiguous else torch.tensor(slots, device=device)
+        self._write = (starts[:, None] + torch.arange(rows)).view(len(slots), 1, rows, 1).to(device)
+        self._attend = attend
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.key_buffers[layer_idx] is None:
+            shape = (self.slots, key_states.shape[1], self.capacity, key_states.shape[-1])
+            self.key_buffers[layer_idx] = key_states.new_zeros(shape)
+            self.value_buffers[layer_idx] = value_states.new_zeros(
+                (self.slots, value_states.shape[1], self.capacity, value_states.shape[-1]))
+        return (self._write_and_read(self.key_buffers[layer_idx], key_states),
+                self._write_and_read(self.value_buffers[layer_idx], value_states))
+
+    def _write_and_read(self, buffer: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        index = self._write.expand(*new.shape[:-1], new.shape[-1])
+        if isinstance(self._rows, slice):  # the usual case: a view, written in place, read without a copy
+            rows = buffer[self._rows]
+            rows.scatter_(2, index, new)
+            return rows[:, :, : self._attend]
+        heads = torch.arange(new.shape[1], device=new.device)
+        buffer[self._rows[:, None, None], heads[None, :, None], self._write[:, :, :, 0]] = new
+        return buffer[self._rows, :, : self._attend]
+
+    @torch.inference_mode()
+    def keep(self, slot: int, kept: torch.Tensor) -> None:
+        """Commit a step: the slot keeps its cached prefix plus the step rows `kept` (offsets from its
+        length, in order); the rest of the step is dropped."""
+        past = self.lengths[slot]
+        count = kept.numel()
+        if not bool((kept == torch.arange(count)).all()):
+            source = (past + kept).to(self._device())
+            for buffer in (*self.key_buffers, *self.value_buffers):
+                if buffer is not None:
+                    buffer[slot, :, past : past + count] = buffer[slot].index_select(1, source)
+        self.lengths[slot] = past + count
+
+    def extend(self, slot: int, count: int) -> None:
+        """Commit the `count` rows a prefill chunk wrote after the slot's length."""
+        self.lengths[slot] += count
+
+    @torch.inference_mode()
+    def move(self, source: int, target: int) -> None:
+        """Give the sequence in slot `source` the slot `target` (its rows are copied)."""
+        length = self.lengths[source]
+        for buffer in (*self.key_buffers, *self.value_buffers):
+            if buffer is not None:
+                buffer[target, :, :length] = buffer[source, :, :length]
+        self.lengths[target], self.lengths[source] = length, 0
+
+    def release(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def allocated(self) -> bool:
+        return self.key_buffers[0] is not None
+
+    def _device(self) -> torch.device:
+        buffer = self.key_buffers[0]
+        return buffer.device if buffer is not None else torch.device("cpu")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._attend
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._attend, 0
+
+
+class _StoreLayer(CacheLayerMixin):
+    """A layer's view for transformers' bookkeeping; the data lives in the store."""
+
+    def __init__(self, store: KVStore, index: int) -> None:
+        super().__init__()
+        self.store, self.index = store, index
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.store.update(key_states, value_states, self.index)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.store.get_mask_sizes(query_length)
+
+    def get_seq_length(self) -> int:
+        return self.store.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return self.store.capacity
