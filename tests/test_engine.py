@@ -1,0 +1,203 @@
+"""The engine: many sequences in one forward, requests joining and leaving, each one exactly what it
+would be alone (transformers' greedy `generate` of its own prompt)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import model_fingerprint, peaked, reference_greedy
+from test_exact_tiny import ForwardRecorder, random_prompt
+from test_sampling import PROMPT, reference_samples, same_distribution_pvalue
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lookahead import LookaheadConfig, generate
+from lookahead.engine import Engine, RequestParams
+
+STOPS = [2, 17]  # token 17 is common enough in the tiny models' outputs to stop some sequences mid-batch
+BATCH_CONFIGS = [None, LookaheadConfig(window=3, ngram=3, guesses=3), LookaheadConfig(window=0, guesses=0)]
+
+
+def prompts_of(lengths, seed=0):
+    return [random_prompt(length, seed + length)[0] for length in lengths]
+
+
+def expected_row(model, prompt, max_new_tokens, pad, stops=STOPS):
+    """transformers' greedy output of the prompt alone, right-padded to prompt + max_new_tokens."""
+    reference = reference_greedy(model, prompt.view(1, -1), max_new_tokens, eos_token_id=stops)[0]
+    return torch.cat([reference, torch.full((prompt.numel() + max_new_tokens - reference.numel(),), pad)])
+
+
+@pytest.mark.parametrize("config", BATCH_CONFIGS, ids=lambda c: c.label if c else "auto")
+def test_every_sequence_of_a_batch_is_its_own_greedy_output(tiny_model, config):
+    prompts = prompts_of([30, 5, 1, 60])
+    # A stop token that the last prompt's output reaches early: that sequence stops mid-batch.
+    stops = [reference_greedy(tiny_model, prompts[3].view(1, -1), 40, eos_token_id=[])[0, 60 + 11].item()]
+    out = generate(tiny_model, prompts, max_new_tokens=40, config=config, eos_token_id=stops)
+    lengths = [p.numel() + s.new_tokens for p, s in zip(prompts, out.stats.per_sequence)]
+    assert out.sequences.shape == (4, max(lengths))
+    for row, prompt in zip(out.sequences, prompts):
+        pad = tiny_model.generation_config.pad_token_id
+        expected = expected_row(tiny_model, prompt, 40, pad, stops)
+        length = min(row.numel(), expected.numel())
+        assert torch.equal(row[:length], expected[:length])
+        assert bool((row[length:] == pad).all()) and bool((expected[length:] == pad).all())
+    new_tokens = [s.new_tokens for s in out.stats.per_sequence]
+    assert new_tokens[3] <= 12 and max(new_tokens) > new_tokens[3]  # one stopped mid-batch, others went on
+    assert out.stats.new_tokens == sum(new_tokens)
+
+
+def test_left_padded_batch_with_attention_mask(llama_tiny):
+    prompts = prompts_of([12, 4, 9], seed=3)
+    width = max(p.numel() for p in prompts)
+    pad = llama_tiny.generation_config.pad_token_id
+    input_ids = torch.stack([torch.cat([torch.full((width - p.numel(),), pad), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(width - p.numel()), torch.ones(p.numel())]) for p in prompts]).long()
+    with ForwardRecorder(llama_tiny) as recorder:
+        out = generate(llama_tiny, input_ids, attention_mask=mask, max_new_tokens=24, eos_token_id=STOPS)
+    assert torch.equal(out.sequences[:, :width], input_ids)  # the input as given, then the new tokens
+    for b, prompt in enumerate(prompts):
+        new = out.sequences[b, width:]
+        expected = expected_row(llama_tiny, prompt, 24, pad)[prompt.numel():]
+        assert torch.equal(new, expected[: new.numel()])
+    # One forward per step for the whole batch, after one forward of the three prompts.
+    assert len(recorder.sizes) == 1 + out.stats.steps
+    assert out.stats.tokens_fed == sum(recorder.sizes[1:])
+
+
+def test_requests_join_wait_abort_and_leave_between_steps(llama_tiny):
+    """Three slots, five requests: two start, three join later (one waits for a slot), one is aborted;
+    a long prompt joins in chunks while the others keep decoding."""
+    engine = Engine(llama_tiny, max_batch=3, max_length=200, prefill_chunk=16)
+    prompts = prompts_of([7, 20, 90, 3, 11], seed=5)
+    lengths = [30, 12, 25, 40, 30]
+    params = [RequestParams(max_new_tokens=n, eos_token_id=STOPS) for n in lengths]
+    outputs: dict[int, list[int]] = {}
+    finished: set[int] = set()
+
+    def step() -> list[int]:
+        """One step; the ids that got tokens."""
+        moved = []
+        for output in engine.step():
+            assert output.request_id not in finished
+            outputs.setdefault(output.request_id, []).extend(output.tokens)
+            moved.append(output.request_id)
+            if output.finished:
+                finished.add(output.request_id)
+                assert output.stats.new_tokens == len(outputs[output.request_id])
+        return moved
+
+    first = [engine.add_request(prompts[i], params[i]) for i in (0, 1)]
+    for _ in range(3):
+        step()
+    late = [engine.add_request(prompts[i], params[i]) for i in (2, 3, 4)]  # the 90-token prompt: 6 chunks
+    while late[0] not in outputs:  # while the long prompt is fed chunk by chunk, the others decode
+        moved = step()
+        assert set(first) - finished <= set(moved)
+    assert engine.abort(late[1]) and not engine.abort(late[1])  # it was still waiting for a slot
+    while engine.has_unfinished():
+        step()
+    ids = dict(zip(first + late, range(5)))
+    assert set(outputs) == set(ids) - {late[1]}
+    for request, tokens in outputs.items():
+        index = ids[request]
+        prompt = prompts[index]
+        expected = expected_row(llama_tiny, prompt, lengths[index], -1)[prompt.numel():]
+        assert tokens == [t for t in expected.tolist() if t != -1]
+    assert engine.store.lengths == [0, 0, 0]  # every slot is free again
+
+
+def test_aborting_a_running_request_frees_its_slot_for_a_waiting_one(llama_tiny):
+    engine = Engine(llama_tiny, max_batch=1, max_length=100)
+    running = engine.add_request(prompts_of([10])[0], RequestParams(max_new_tokens=50, eos_token_id=[]))
+    waiting = engine.add_request(prompts_of([6])[0], RequestParams(max_new_tokens=8, eos_token_id=[]))
+    assert {o.request_id for o in engine.step()} == {running}
+    assert engine.abort(running)
+    tokens = []
+    while engine.has_unfinished():
+        outputs = engine.step()
+        assert {o.request_id for o in outputs} <= {waiting}
+        tokens += [t for o in outputs for t in o.tokens]
+    assert tokens == reference_greedy(llama_tiny, prompts_of([6])[0].view(1, -1), 8, eos_token_id=[])[0, 6:].tolist()
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=10, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    return peaked(LlamaForCausalLM(config), 0.25)
+
+
+def test_a_seeded_request_samples_the_same_whatever_else_is_in_the_batch(small_vocab_model):
+    sampled = RequestParams(max_new_tokens=30, do_sample=True, seed=11, eos_token_id=[],
+                            config=LookaheadConfig(window=3, ngram=3, guesses=4, suffix=8))
+
+    def run(others: list[tuple[torch.Tensor, RequestParams]], join_after: int) -> list[int]:
+        engine = Engine(small_vocab_model, max_batch=4, max_length=80)
+        for prompt, params in others:
+            engine.add_request(prompt, params)
+        for _ in range(join_after):
+            engine.step()
+        request = engine.add_request(PROMPT[0], sampled)
+        tokens = []
+        while engine.has_unfinished():
+            tokens += [t for o in engine.step() if o.request_id == request for t in o.tokens]
+        return tokens
+
+    alone = run([], 0)
+    others = [(torch.tensor([3, 4, 5, 6, 7]), RequestParams(max_new_tokens=20, do_sample=True, seed=1)),
+              (torch.tensor([2, 2, 9]), RequestParams(max_new_tokens=40)),
+              (torch.tensor([5] * 12), RequestParams(max_new_tokens=9, do_sample=True, temperature=0.5, seed=2))]
+    assert run(others, 0) == alone
+    assert run(others, 3) == alone
+    different = RequestParams(**{**sampled.__dict__, "seed": 12})
+    engine = Engine(small_vocab_model, max_batch=1, max_length=80)
+    other = engine.add_request(PROMPT[0], different)
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() if o.request_id == other for t in o.tokens]
+    assert tokens != alone  # the seed matters
+
+
+def test_sampling_inside_a_batch_keeps_the_distribution(small_vocab_model):
+    """The chi-square test of test_sampling, for requests decoded in batches with other prompts."""
+    expected = reference_samples(small_vocab_model)
+    generator = torch.Generator().manual_seed(7)
+    config = LookaheadConfig(window=3, ngram=3, guesses=4, suffix=8)
+    others = [torch.tensor([3, 4, 5, 6, 7]), torch.tensor([2, 2, 9, 8]), torch.tensor([5] * 12)]
+    samples = []
+    while len(samples) < len(expected):
+        out = generate(small_vocab_model, [PROMPT[0]] * 50 + others, max_new_tokens=3, config=config, eos_token_id=[],
+                       do_sample=True, generator=generator)
+        samples += [tuple(row[PROMPT.shape[1]:].tolist()) for row in out.sequences[:50]]
+    assert same_distribution_pvalue(samples[: len(expected)], expected) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda m, engine: engine.add_request([5] * 60, RequestParams(max_new_tokens=10)),
+         ValueError, r"prompt \(60 tokens\) \+ max_new_tokens \(10\) exceeds the engine's max_length of 64"),
+        (lambda m, engine: Engine(m, max_batch=10**9), MemoryError, "max_batch=1000000000 .* lower max_batch or max_length"),
+        (lambda m, engine: Engine(m, max_batch=0), ValueError, "max_batch must be an integer >= 1, got 0"),
+        (lambda m, engine: Engine(m, max_length=10**6), ValueError, r"max_length \(1000000\) exceeds the model's context of 512"),
+        (lambda m, engine: engine.add_request([5], {"max_new_tokens": 3}), TypeError, "params must be a RequestParams"),
+        (lambda m, engine: engine.add_request([5], RequestParams(max_new_tokens=5, seed=1, generator=torch.Generator())), ValueError,
+         "a request seed or a generator, not both"),
+        (lambda m, engine: generate(m, torch.ones(2, 3, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 0], [1, 1, 1]])),
+         ValueError, "attention_mask must pad on the left"),
+        (lambda m, engine: generate(m, [[1, 2], [3]], attention_mask=torch.ones(2, 2)), ValueError,
+         "attention_mask goes with a .B, n. tensor"),
+        (lambda m, engine: generate(m, [[1, 2], [3, 500]]), ValueError, "token id 500, outside the model's vocabulary"),
+    ],
+    ids=["too-long", "memory", "max-batch", "max-length", "params", "seed-and-generator", "right-padding",
+         "mask-with-list", "bad-id-in-batch"],
+)
+def test_bad_engine_input_is_refused_before_any_work(llama_tiny, call, error, message):
+    engine = Engine(llama_tiny, max_length=64)
+    fingerprint = model_fingerprint(llama_tiny)
+    with ForwardRecorder(llama_tiny) as recorder, pytest.raises(error, match=message):
+        call(llama_tiny, engine)
+    assert recorder.sizes == []  # no forward ran
+    assert model_fingerprint(llama_tiny) == fingerprint
+    assert not engine.has_unfinished()  # nothing was queued
