@@ -15,7 +15,7 @@ from lookahead.core.drafts import Draft
 from lookahead.core.layout import build_guess_tree, step_layout
 from lookahead.core.pool import NGramPool, PoolProposer
 from lookahead.core.suffix import Corpus
-from lookahead.core.verify import ROOT, Verdict, greedy_choice, sample_choice, verify_greedy, walk_tree
+from lookahead.core.verify import ROOT, Verdict, greedy_choice, gumbel_noise, sample_choice, verify_greedy, walk_tree
 from lookahead.core.window import LookaheadWindow
 
 
@@ -238,20 +238,24 @@ def test_walk_scores_each_node_with_the_tokens_accepted_before_it():
     assert calls == [(ROOT, []), (0, [5]), (3, [5, 8]), (4, [5, 8, 9])]
 
 
-def test_sample_choice_draws_only_from_the_given_generator():
-    """The same generator seed gives the same tokens whatever the global RNG holds (accepts and residual draws)."""
+def test_sampled_token_depends_on_seed_and_position_only():
+    """The token drawn at a position is the same whatever the children offered and whatever the global RNG
+    holds; a child is accepted exactly when it holds that token; other positions or seeds draw anew."""
     scores = torch.tensor([0.0, 0.2, -0.3, 0.1, 0.0])
-    candidates = [(1, 10), (3, 11)]
 
-    def draws(global_seed):
-        torch.manual_seed(global_seed)
-        generator = torch.Generator().manual_seed(5)
-        return [sample_choice(scores, candidates, generator) for _ in range(40)]
+    def draw(seed, position, candidates):
+        torch.manual_seed(seed + position)  # the global RNG is not used
+        return sample_choice(scores, candidates, gumbel_noise(seed, position, 5))
 
-    first = draws(0)
-    assert draws(1) == first
-    assert {node for _, node in first} == {10, 11, None}  # both candidates accepted sometimes, and drawn past
-    assert {token for token, node in first if node is None} >= {0, 4}
+    for seed in range(3):
+        for position in range(20):
+            token, node = draw(seed, position, [])
+            assert node is None
+            assert draw(seed, position, [(token, 7)]) == (token, 7)
+            assert draw(seed, position, [((token + 1) % 5, 7), ((token + 2) % 5, 8)]) == (token, None)
+    tokens = [draw(0, position, [])[0] for position in range(40)]
+    assert set(tokens) == set(range(5))  # every token turns up
+    assert tokens != [draw(1, position, [])[0] for position in range(40)]  # another seed, other tokens
 
 
 VOCAB = 10
@@ -322,7 +326,7 @@ def test_decoder_transform_scores_each_node_with_its_own_prefix():
 
 
 def test_decoder_choose_rule_picks_the_tokens():
-    def lowest(scores, candidates):
+    def lowest(scores, candidates, position):
         token = int(scores.argmin())
         return token, next((node for candidate, node in candidates if candidate == token), None)
 

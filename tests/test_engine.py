@@ -129,34 +129,35 @@ def small_vocab_model():
 
 
 def test_a_seeded_request_samples_the_same_whatever_else_is_in_the_batch(small_vocab_model):
-    sampled = RequestParams(max_new_tokens=30, do_sample=True, seed=11, eos_token_id=[],
-                            config=LookaheadConfig(window=3, ngram=3, guesses=4, suffix=8))
+    """The automatic config sizes each step's tree by the batch, so the guesses differ with the company a
+    request keeps; its sampled tokens must not: they equal those of plain decoding with the same seed."""
+    sampled = RequestParams(max_new_tokens=30, do_sample=True, seed=11, eos_token_id=[])
 
-    def run(others: list[tuple[torch.Tensor, RequestParams]], join_after: int) -> list[int]:
+    def run(params: RequestParams, others: list[tuple[torch.Tensor, RequestParams]], join_after: int) -> list[int]:
         engine = Engine(small_vocab_model, max_batch=4, max_length=80)
-        for prompt, params in others:
-            engine.add_request(prompt, params)
+        for prompt, other in others:
+            engine.add_request(prompt, other)
         for _ in range(join_after):
             engine.step()
-        request = engine.add_request(PROMPT[0], sampled)
-        tokens = []
+        request = engine.add_request(PROMPT[0], params)
+        tokens, steps = [], 0
         while engine.has_unfinished():
-            tokens += [t for o in engine.step() if o.request_id == request for t in o.tokens]
+            outputs = engine.step()
+            tokens += [t for o in outputs if o.request_id == request for t in o.tokens]
+            steps += any(o.request_id == request for o in outputs)
+        run.steps = steps
         return tokens
 
-    alone = run([], 0)
+    alone = run(sampled, [], 0)
+    assert run.steps < 30  # guesses were accepted: the tree mattered
     others = [(torch.tensor([3, 4, 5, 6, 7]), RequestParams(max_new_tokens=20, do_sample=True, seed=1)),
               (torch.tensor([2, 2, 9]), RequestParams(max_new_tokens=40)),
               (torch.tensor([5] * 12), RequestParams(max_new_tokens=9, do_sample=True, temperature=0.5, seed=2))]
-    assert run(others, 0) == alone
-    assert run(others, 3) == alone
-    different = RequestParams(**{**sampled.__dict__, "seed": 12})
-    engine = Engine(small_vocab_model, max_batch=1, max_length=80)
-    other = engine.add_request(PROMPT[0], different)
-    tokens = []
-    while engine.has_unfinished():
-        tokens += [t for o in engine.step() if o.request_id == other for t in o.tokens]
-    assert tokens != alone  # the seed matters
+    assert run(sampled, others, 0) == alone
+    assert run(sampled, others, 3) == alone
+    plain = RequestParams(**{**sampled.__dict__, "config": LookaheadConfig(window=0, guesses=0)})
+    assert run(plain, [], 0) == alone and run.steps == 30  # one token a step, the same tokens
+    assert run(RequestParams(**{**sampled.__dict__, "seed": 12}), [], 0) != alone  # the seed matters
 
 
 def test_sampling_inside_a_batch_keeps_the_distribution(small_vocab_model):

@@ -13,28 +13,28 @@ from transformers import LlamaConfig, LlamaForCausalLM, MinLengthLogitsProcessor
 
 import lookahead.sampling
 from lookahead import LookaheadConfig, generate
-from lookahead.core.verify import sample_choice
+from lookahead.core.verify import gumbel_noise, sample_choice
 
 CONFIG = LookaheadConfig(window=3, ngram=3, guesses=4, suffix=8)  # the suffix source: ragged trees
 
 
-def wrong_choice(scores, candidates, generator=None):
+def wrong_choice(scores, candidates, noise):
     """A plausible but wrong rule: accept a candidate when it is the argmax, else sample."""
     best = int(scores.argmax())
     for token, node in candidates:
         if token == best:
             return token, node
-    return int(torch.multinomial(torch.softmax(scores.float(), -1), 1, generator=generator)), None
+    return sample_choice(scores, candidates, noise)
 
 
 def test_sample_choice_emits_exactly_the_distribution():
+    """Over seeds and positions, the token drawn has distribution softmax(scores); the wrong rule does not."""
     probs = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
     candidates = [(1, 10), (3, 11), (0, 12)]
-    generator = torch.Generator().manual_seed(0)
     draws = 20000
 
     def frequencies(rule):
-        counts = Counter(rule(probs.log(), candidates, generator)[0] for _ in range(draws))
+        counts = Counter(rule(probs.log(), candidates, gumbel_noise(seed, 0, 5))[0] for seed in range(draws))
         return [counts[token] for token in range(5)]
 
     assert chisquare(frequencies(sample_choice), (probs * draws).tolist()).pvalue > 1e-3
@@ -43,9 +43,9 @@ def test_sample_choice_emits_exactly_the_distribution():
 
 def test_sample_choice_returns_the_node_of_an_accepted_candidate():
     scores = torch.tensor([-1e9, 0.0, -1e9])  # all mass on token 1
-    assert sample_choice(scores, [(1, 7)]) == (1, 7)
-    token, node = sample_choice(scores, [(2, 8)])
-    assert (token, node) == (1, None)
+    noise = gumbel_noise(3, 0, 3)
+    assert sample_choice(scores, [(1, 7)], noise) == (1, 7)
+    assert sample_choice(scores, [(2, 8)], noise) == (1, None)
 
 
 @pytest.fixture(scope="module")

@@ -16,16 +16,19 @@ from transformers import TextStreamer
 from transformers.utils import logging as hf_logging
 
 from .baseline import hf_generate
+from .bench.batch import batch_runs, batch_table
 from .bench.corpus import corpus_runs, corpus_table
 from .bench.cost import sweep
 from .bench.report import (
+    write_batch,
     divergence_table, drafts_line, fit_log_line, profile_line, summary_table, write_benchmark, write_cost,
     write_sweep,
 )
 from .bench.runner import environment, run_benchmark, standard_methods, summarize
 from .config import AUTO_CONFIG, LookaheadConfig
 from .costs import cost_curve, forward_cost
-from .generation import check_request, generate
+from .engine import check_request
+from .generation import generate
 from .hf import HFModelRunner
 from .models import DTYPES, ModelLoadError, load_model
 from .prompts import encode_prompt
@@ -235,11 +238,34 @@ def bench_command(
     top_k: TopKOption = None,
     top_p: TopPOption = None,
     seed: SeedOption = 0,
+    batch_size: Annotated[Optional[str], typer.Option(help="Comma list of batch sizes: compare transformers' batched generate, our plain engine and lookahead (the first --config, default auto) at each, on --limit prompts (default 16).")] = None,
 ) -> None:
     """Run greedy generate, prompt lookup, our plain loop and lookahead side by side on a workload."""
     if ctx.invoked_subcommand is not None:
         return
     configs = [_parse_config(c) for c in config] if config else None
+    if batch_size is not None:
+        sizes = _int_list(batch_size, "--batch-size")
+        if not sizes or min(sizes) < 1:
+            raise typer.BadParameter(f"expected batch sizes >= 1, got {batch_size!r}", param_hint="--batch-size")
+        if sample:
+            raise typer.BadParameter("the batch benchmark decodes greedily", param_hint="--sample")
+        prompts = _workload(dataset, 1, raw, category, limit or 16)
+        lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
+        inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw)[0] for p in prompts]
+        console = Console(stderr=True)
+        with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as progress:
+            task = progress.add_task("batch sizes", total=len(sizes) * 3, last="")
+            runs = batch_runs(lm, inputs, sizes, max_new_tokens, configs[0] if configs else AUTO_CONFIG,
+                              on_run=lambda r: progress.update(task, advance=1, last=f"B={r.batch_size} {r.method} "
+                                                               f"{r.tokens_per_second:.1f} tok/s"))
+        env = environment(lm)
+        print(batch_table(runs))
+        print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
+        if out is not None:
+            for path in write_batch(out, runs, env, "lookahead bench " + " ".join(sys.argv[2:])):
+                print(f"wrote {path}")
+        return
     names = [b.strip() for b in baselines.split(",") if b.strip()]
     unknown = set(names) - {"greedy", "pld", "plain"}
     if unknown:

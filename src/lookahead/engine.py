@@ -391,6 +391,15 @@ def eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None) ->
     return set(torch.as_tensor(list(eos_token_id)).tolist())
 
 
+def pad_id(model: PreTrainedModel) -> int:
+    """The id that fills a sequence after it stops: the model's pad token, else its first EOS token, else 0."""
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    if pad is None:
+        stops = eos_ids(model, None)
+        pad = min(stops) if stops else 0
+    return int(pad)
+
+
 class _Laps:
     """Adds the time since the previous lap to `totals[name]`."""
 

@@ -13,7 +13,7 @@ from transformers import LogitsProcessor, PreTrainedModel
 from .config import LookaheadConfig
 from .core.drafts import Proposer
 from .core.suffix import Corpus
-from .engine import Engine, GenerationStats, RequestParams, check_request, eos_ids
+from .engine import Engine, GenerationStats, RequestParams, check_request, pad_id
 
 
 @dataclass
@@ -95,7 +95,7 @@ def generate(
     stats.per_sequence = [finished[i] for i in ids]
     stats.window = max(s.window for s in stats.per_sequence)
     stats.accepted_by_source = dict(sum((Counter(s.accepted_by_source) for s in stats.per_sequence), Counter()))
-    pad = _pad_id(model)
+    pad = pad_id(model)
     outputs = [generated[i] for i in ids]
     if layout is None:  # a list of prompts: each row is its prompt and its output
         rows = [prompt.tolist() + output for prompt, output in zip(checked, outputs)]
@@ -131,12 +131,3 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None) -> tuple[list, torc
         raise ValueError("attention_mask must pad on the left (zeros before ones in every row); "
                          "pass a list of prompts for other layouts")
     return [row[keep.bool()] for row, keep in zip(ids, mask)], ids.to(torch.long).cpu()
-
-
-def _pad_id(model: PreTrainedModel) -> int:
-    """The id that fills a sequence after it stops: the model's pad token, else its first EOS token, else 0."""
-    pad = getattr(model.generation_config, "pad_token_id", None)
-    if pad is None:
-        stops = eos_ids(model, None)
-        pad = min(stops) if stops else 0
-    return int(pad)

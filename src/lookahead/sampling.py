@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from .core.decoder import LogitsTransform
-from .core.verify import ChooseRule, sample_choice
+from .core.verify import ChooseRule, gumbel_noise, sample_choice
 
 # What `generate` uses when neither the call nor the model's generation config sets a value.
 GENERATE_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
@@ -76,7 +76,14 @@ def decoding_rule(
         p = resolved("top_p", top_p)
         if p < 1.0:
             processors.append(TopPLogitsWarper(p))
-    choose = (lambda scores, candidates: sample_choice(scores, candidates, generator)) if sampling else None
+    choose = None
+    if sampling:
+        # One draw from the generator (or torch's global one) seeds the sequence; every position then has
+        # its own noise, so the tokens drawn do not depend on the guesses, the batch or the step sizes.
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+
+        def choose(scores: torch.Tensor, candidates: list[tuple[int, int]], position: int):
+            return sample_choice(scores, candidates, gumbel_noise(seed, position, scores.numel(), scores.device))
     return DecodingRule(choose, processors or None)
 
 

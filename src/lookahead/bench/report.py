@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ..costs import CostPoint  # noqa: E402
+from .batch import METHODS, BatchRun, batch_table  # noqa: E402
 from .cost import SweepPoint  # noqa: E402
 from .runner import Run, Summary  # noqa: E402
 
@@ -137,6 +138,29 @@ def write_cost(out: Path, points: list[CostPoint], env: dict) -> list[Path]:
     ax.set_xlabel("new tokens per forward (k)")
     ax.set_ylabel("T(k) / T(1)")
     return [out / "cost.json", _save(fig, ax, out / "cost.png")]
+
+
+def write_batch(out: Path, runs: list[BatchRun], env: dict, command: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"command": command, "environment": env,
+               "runs": [{**asdict(r), "tokens_per_second": r.tokens_per_second, "tokens_per_step": r.tokens_per_step}
+                        for r in runs]}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    env_lines = "\n".join(f"- {key}: {value}" for key, value in env.items())
+    (out / "report.md").write_text(
+        f"# Batch benchmark\n\n`{command}`\n\n{env_lines}\n\n{batch_table(runs)}\n\n"
+        "tokens/s: new tokens of all sequences over the wall time; latency: mean seconds from a batch's start "
+        "to a sequence's last token (transformers returns every sequence at the end of its batch).\n\n"
+        "![throughput](batch.png)\n")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in METHODS:
+        points = [(r.batch_size, r.tokens_per_second) for r in runs if r.method == method]
+        ax.plot(*zip(*points), marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("tokens/s (all sequences)")
+    ax.legend()
+    return [out / "results.json", out / "report.md", _save(fig, ax, out / "batch.png")]
 
 
 def fit_log_line(points: list[SweepPoint]) -> tuple[float, float]:

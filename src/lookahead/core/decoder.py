@@ -128,7 +128,7 @@ class LookaheadDecoder:
             window_outputs = predictions[1 : 1 + width].tolist()
         else:
             verdict = walk_tree(plan.tree, lambda node, accepted: self._scores(logits, width, node, accepted),
-                                self.choose or greedy_choice)
+                                self.choose or greedy_choice, len(self.sequence))
             window_outputs = logits[1 : 1 + width].argmax(dim=-1).tolist()  # the window runs greedy Jacobi
         if width:
             for ngram in self.window.advance(window_outputs):

@@ -38,18 +38,21 @@ def verify_greedy(tree: GuessTree, root_prediction: int, node_predictions: torch
     return Verdict(expected[best, : count + 1].tolist(), tree.paths[best, :count].tolist())
 
 
-# A rule picks the next token from a node's scores and its children [(token, node)]: (token, node or None).
-ChooseRule = Callable[[torch.Tensor, list[tuple[int, int]]], tuple[int, int | None]]
+# A rule picks the next token at a node from its scores, its children [(token, node)] and the position
+# (index in the whole sequence) the token takes: (token, the child holding it or None).
+ChooseRule = Callable[[torch.Tensor, list[tuple[int, int]], int], tuple[int, int | None]]
 
 
-def walk_tree(tree: GuessTree, scores_at: Callable[[int, list[int]], torch.Tensor], choose: ChooseRule) -> Verdict:
-    """Walk from the root: at each node, `choose` among its children given `scores_at(node, accepted)`."""
+def walk_tree(tree: GuessTree, scores_at: Callable[[int, list[int]], torch.Tensor], choose: ChooseRule,
+              position: int = 0) -> Verdict:
+    """Walk from the root, whose next token takes `position`: at each node, `choose` among its children
+    given `scores_at(node, accepted)`."""
     children: dict[int, list[tuple[int, int]]] = {}
     for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
         children.setdefault(parent, []).append((token, node))
     node, tokens, nodes = ROOT, [], []
     while True:
-        token, child = choose(scores_at(node, tokens), children.get(node, []))
+        token, child = choose(scores_at(node, tokens), children.get(node, []), position + len(tokens))
         tokens.append(token)
         if child is None:
             return Verdict(tokens, nodes)
@@ -57,23 +60,31 @@ def walk_tree(tree: GuessTree, scores_at: Callable[[int, list[int]], torch.Tenso
         node = child
 
 
-def greedy_choice(scores: torch.Tensor, candidates: list[tuple[int, int]]) -> tuple[int, int | None]:
+def greedy_choice(scores: torch.Tensor, candidates: list[tuple[int, int]], position: int = 0) -> tuple[int, int | None]:
     token = int(scores.argmax())
     return token, next((node for candidate, node in candidates if candidate == token), None)
 
 
-def sample_choice(
-    scores: torch.Tensor, candidates: list[tuple[int, int]], generator: torch.Generator | None = None
-) -> tuple[int, int | None]:
-    """Multi-candidate speculative sampling for deterministic guesses; emits exactly softmax(scores)."""
-    probs = torch.softmax(scores.float(), dim=-1)
-    for token, node in candidates:
-        p = float(probs[token])
-        if p > 0 and float(torch.rand((), generator=generator)) < p:
-            return token, node
-        probs[token] = 0.0
-        remaining = float(probs.sum())
-        if remaining <= 0:  # rounding: this candidate held all the mass
-            return token, node
-        probs /= remaining
-    return int(torch.multinomial(probs, 1, generator=generator)), None
+def gumbel_noise(seed: int, position: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Standard Gumbel noise for one position of one sequence: a function of (seed, position) alone."""
+    generator = torch.Generator(device=device).manual_seed(_mix(seed, position))
+    uniform = torch.rand(size, generator=generator, device=device)
+    return -torch.log(-torch.log(uniform))
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 64-bit hash of (seed, position) (splitmix64), so that neighbouring positions get unrelated streams."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def sample_choice(scores: torch.Tensor, candidates: list[tuple[int, int]], noise: torch.Tensor) -> tuple[int, int | None]:
+    """Gumbel-max sampling coupled with verification: the token is argmax(scores + noise), which has
+    distribution softmax(scores); a child is accepted when it holds that token. Accepting a fixed guess x
+    this way has probability p(x), as speculative sampling's rule has, but the token drawn does not
+    depend on the guesses, only on the noise (docs/sampling.md)."""
+    token = int((scores.float() + noise).argmax())
+    return token, next((node for candidate, node in candidates if candidate == token), None)
