@@ -52,6 +52,7 @@ def test_left_padded_batch_with_attention_mask(llama_tiny):
     pad = llama_tiny.generation_config.pad_token_id
     input_ids = torch.stack([torch.cat([torch.full((width - p.numel(),), pad), p]) for p in prompts])
     mask = torch.stack([torch.cat([torch.zeros(width - p.numel()), torch.ones(p.numel())]) for p in prompts]).long()
+    Engine(llama_tiny, max_batch=3)  # the cost curves (their own forwards) are measured once per batch size
     with ForwardRecorder(llama_tiny) as recorder:
         out = generate(llama_tiny, input_ids, attention_mask=mask, max_new_tokens=24, eos_token_id=STOPS)
     assert torch.equal(out.sequences[:, :width], input_ids)  # the input as given, then the new tokens

@@ -1,6 +1,7 @@
 """The forward cost curve T(k): seconds for one step of k new tokens over a cached context, on this model,
-device, dtype and thread count. Measured on first use (about a second on the default model on 2 CPU
-cores) and cached under $LOOKAHEAD_CACHE/costs; the drafter sizes each step's token tree with it."""
+device, dtype and thread count, and T(B, h) for B sequences of h rows each. Measured on first use (about
+a second per curve on the default model on 2 CPU cores) and cached under $LOOKAHEAD_CACHE/costs; the
+drafter sizes each step's token tree with it."""
 
 from __future__ import annotations
 
@@ -49,22 +50,26 @@ class CostPoint:
 
 
 def forward_cost(
-    runner: HFModelRunner, context: int = 256, sizes: tuple[int, ...] = CURVE_SIZES, repeats: int = 5
+    runner: HFModelRunner, context: int = 256, sizes: tuple[int, ...] = CURVE_SIZES, repeats: int = 5, batch: int = 1
 ) -> list[CostPoint]:
-    """Median time of one forward of k tokens (causal among themselves, logits for all k) on top of a
-    `context`-token cache, through the same path lookahead steps take."""
+    """Median time of one forward of k tokens (causal among themselves, logits for all k) for each of `batch`
+    sequences on top of a `context`-token cache each, through the same path lookahead steps take."""
     vocab = runner.model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(0)
-    store = runner.new_store(1, context + max(sizes))
-    runner.forward(store, pack_steps([0], [0], [causal_step(torch.randint(vocab, (context,), generator=generator))]))
-    store.extend(0, context)
+    slots = list(range(batch))
+    store = runner.new_store(batch, context + max(sizes))
+    prompt = causal_step(torch.randint(vocab, (context,), generator=generator))
+    runner.forward(store, pack_steps(slots, [0] * batch, [prompt] * batch))
+    for slot in slots:
+        store.extend(slot, context)
     medians = {}
     for k in sizes:
-        batch = pack_steps([0], [context], [causal_step(torch.randint(vocab, (k,), generator=generator), logits=k)])
+        steps = [causal_step(torch.randint(vocab, (k,), generator=generator), logits=k) for _ in slots]
+        step_batch = pack_steps(slots, [context] * batch, steps)
         times = []
         for _ in range(repeats + 1):  # the first is a warm-up
             start = time.perf_counter()
-            runner.forward(store, batch)
+            runner.forward(store, step_batch)
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
             times.append(time.perf_counter() - start)
@@ -83,15 +88,31 @@ def _curve_key(runner: HFModelRunner) -> str:
     return hashlib.blake2b(described.encode(), digest_size=16).hexdigest()
 
 
-def _seconds(runner: HFModelRunner, packed_from: int | None) -> list[float]:
+def _seconds(runner: HFModelRunner, packed_from: int | None, sizes: Sequence[int] = CURVE_SIZES,
+             batch: int = 1) -> list[float]:
     runner.packed_from = packed_from
     decoding = runner.forward_seconds
-    seconds = [point.seconds for point in forward_cost(runner, context=128, repeats=3)]
+    seconds = [point.seconds for point in forward_cost(runner, context=128, sizes=tuple(sizes), repeats=3, batch=batch)]
     runner.forward_seconds = decoding  # measuring is not decoding: keep its forwards out of the profile
     return seconds
 
 
-_MEASURED: dict[str, dict] = {}  # curve key -> measured seconds, read from disk once per process
+def _stored(path, measure) -> dict:
+    """What `measure()` returns, measured once: kept in memory and on disk (written atomically)."""
+    key = path.stem
+    if key not in _MEASURED:
+        if path.is_file():
+            _MEASURED[key] = json.loads(path.read_text())
+        else:
+            _MEASURED[key] = measure()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+            partial.write_text(json.dumps(_MEASURED[key]))
+            os.replace(partial, path)
+    return _MEASURED[key]
+
+
+_MEASURED: dict[str, dict] = {}  # file stem -> measured seconds, read from disk once per process
 
 
 def cost_curve(runner: HFModelRunner) -> CostCurve:
@@ -100,23 +121,16 @@ def cost_curve(runner: HFModelRunner) -> CostCurve:
     are measured and the runner is set to take the packed one from the step size on which it is faster
     at every larger size (never, or always, where one path wins throughout); the curve is then the faster
     path's at each size."""
-    key = _curve_key(runner)
-    path = cache_root() / "costs" / f"{key}.json"
-    if key in _MEASURED:
-        measured = _MEASURED[key]
-    elif path.is_file():
-        measured = json.loads(path.read_text())
-    else:
+
+    def measure() -> dict:
         measured = {"sizes": list(CURVE_SIZES), "plain": None, "packed": None}
         if runner.packing is not True:
             measured["plain"] = _seconds(runner, None)
         if runner.packing is not False:
             measured["packed"] = _seconds(runner, 1)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(measured))
-        os.replace(partial, path)
-    _MEASURED[key] = measured
+        return measured
+
+    measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}.json", measure)
     sizes, plain, packed = measured["sizes"], measured["plain"], measured["packed"]
     if plain is None or packed is None:
         runner.packed_from = None if packed is None else 1
@@ -125,3 +139,17 @@ def cost_curve(runner: HFModelRunner) -> CostCurve:
     runner.packed_from = next((k for i, k in enumerate(sizes) if all(faster[i:])), None)
     on = [runner.packed_from is not None and k >= runner.packed_from for k in sizes]
     return CostCurve(sizes, [p if use else q for p, q, use in zip(packed, plain, on)])
+
+
+def batch_cost_curve(runner: HFModelRunner, batch: int) -> CostCurve:
+    """T(B, h) / T(B, 1): the relative cost of a step of `batch` sequences of h rows each, on the linear path
+    `cost_curve` chose. It is not T(B * h): each sequence attends to its own cache, and a one-row step
+    takes the attention kernels' decoding path (on a 2-core Xeon, 8 sequences of 2 rows cost 1.34x 8 of
+    one, where 16 rows of one sequence cost 1.07x 8 rows of it)."""
+    curve = cost_curve(runner)
+    if batch == 1:
+        return curve
+    sizes = [h for h in CURVE_SIZES if batch * h <= max(128, 2 * batch)]
+    measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}-{runner.packed_from}-b{batch}.json",
+                       lambda: {"sizes": sizes, "seconds": _seconds(runner, runner.packed_from, sizes, batch)})
+    return CostCurve(measured["sizes"], measured["seconds"])

@@ -20,10 +20,10 @@ from transformers import LogitsProcessor, PreTrainedModel
 
 from .config import AUTO_CONFIG, LookaheadConfig
 from .core.decoder import LookaheadDecoder, StepPlan
-from .core.drafter import node_counts
+from .core.drafter import AcceptanceStats, node_counts
 from .core.drafts import Proposer
 from .core.suffix import Corpus
-from .costs import CostCurve, cost_curve
+from .costs import CostCurve, batch_cost_curve, cost_curve
 from .hf import HFModelRunner, check_model, context_length, vocabulary_size
 from .runtime.batch import StepInput, causal_step, pack_steps
 from .sampling import decoding_rule
@@ -111,7 +111,7 @@ class _Request:
     decoder: LookaheadDecoder
     stop_ids: set[int]
     stats: GenerationStats
-    started: float
+    started: float = 0.0  # when it got a slot
     slot: int = -1
     prefilled: int = 0  # prompt tokens in the KV store; all but the last before decoding starts
     generated: list[int] = field(default_factory=list)
@@ -146,8 +146,14 @@ class Engine:
         # The cost curve sizes budgeted steps; measuring it (once per model shape and machine) also
         # settles which linear path runs (hf.PackedLinears).
         self.cost: CostCurve = cost_curve(self.runner)
+        self._costs = {1 << i: batch_cost_curve(self.runner, 1 << i) for i in range(max_batch.bit_length())}
         self.store = self.runner.new_store(max_batch, max_length + STEP_ROOM)
         self.stats = GenerationStats()  # of every step, all requests together
+        # How often each kind of draft is accepted, learnt from every request: a request's guesses are
+        # sized from the start by what the model accepted before (greedy outputs and seeded samples do
+        # not depend on it).
+        self.acceptance = AcceptanceStats()
+
         self._laps = _Laps(self.stats.phase_seconds)
         self._waiting: deque[_Request] = deque()
         self._slots: list[_Request | None] = [None] * max_batch
@@ -179,9 +185,10 @@ class Engine:
         rule = decoding_rule(self.model, params.do_sample, params.temperature, params.top_k, params.top_p,
                              params.repetition_penalty, params.logits_processor, generator)
         decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform,
-                                   corpus=params.corpus, cost=self.cost, proposers=params.proposers)
+                                   corpus=params.corpus, cost=self.cost, proposers=params.proposers,
+                                   stats=self.acceptance)
         request = _Request(self._next_id, prompt, params, decoder, eos_ids(self.model, params.eos_token_id),
-                           GenerationStats(window=decoder.window.width), time.perf_counter())
+                           GenerationStats(window=decoder.window.width))
         self._next_id += 1
         self._waiting.append(request)
         return request.id
@@ -250,17 +257,22 @@ class Engine:
 
     def _plans(self, decoding: list[_Request]) -> list[StepPlan]:
         """Each request's step, sized together: the rows go where they pay for the batch as a whole."""
-        batch = len(decoding)
+        cost = self._cost(len(decoding))
         proposals = [r.decoder.propose() for r in decoding]
-        windows = [r.decoder.window_pays(batch) for r in decoding]
+        windows = [r.decoder.window_pays(cost) for r in decoding]
         demands = []
         for request, proposal, window in zip(decoding, proposals, windows):
             left = request.params.max_new_tokens - len(request.generated)
             base = 1 + (len(request.decoder.window.tokens) if window else 0)
             # Nodes past the last token this request may still commit cannot pay.
             demands.append(request.decoder.demand(proposal, window, min(base + left - 1, STEP_ROOM)))
-        counts = node_counts(demands, self.cost)
+        counts = node_counts(demands, cost)
         return [r.decoder.plan(p, n, w) for r, p, n, w in zip(decoding, proposals, counts, windows)]
+
+    def _cost(self, batch: int) -> CostCurve:
+        """The relative cost of a step of `batch` sequences by its height: the measured curve of the largest
+        power of two not above `batch` (all of them up to max_batch are measured when the engine starts)."""
+        return self._costs[1 << (batch.bit_length() - 1)]
 
     def _stop(self, request: _Request, tokens: list[int]) -> tuple[list[int], bool]:
         """The tokens the request keeps (up to its stop token or its length) and whether it is done."""
@@ -277,6 +289,7 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting and None in self._slots:
             request = self._waiting.popleft()
+            request.started = time.perf_counter()
             request.slot = self._slots.index(None)
             self._slots[request.slot] = request
 

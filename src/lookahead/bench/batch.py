@@ -1,5 +1,7 @@
-"""Batch benchmark: the same prompts decoded B at a time by transformers' batched `generate`, our plain
-engine and lookahead on the engine, in one process; throughput and per-sequence latency per batch size."""
+"""Batch benchmark: the same prompts decoded B at a time by transformers' batched `generate` (static
+batches, left-padded), and by our engine with B slots (continuous batching: a finished sequence's slot
+takes the next prompt at once), plain and with lookahead, in one process; throughput and per-sequence
+latency per batch size."""
 
 from __future__ import annotations
 
@@ -11,8 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..config import AUTO_CONFIG, LookaheadConfig
-from ..engine import eos_ids, pad_id
-from ..generation import generate
+from ..engine import Engine, RequestParams, eos_ids, pad_id
 
 PLAIN = LookaheadConfig(window=0, guesses=0)
 METHODS = ("transformers", "plain", "lookahead")
@@ -28,7 +29,7 @@ class BatchRun:
     new_tokens: int
     seconds: float
     latency: float  # mean seconds from a sequence's start to its last token
-    steps: int | None  # ours: engine steps (forwards after the prefill)
+    steps: int | None  # ours: the steps each request took part in, summed
     identical: bool | None  # lookahead: every output equals our plain engine's at the same batch size
 
     @property
@@ -37,8 +38,8 @@ class BatchRun:
 
     @property
     def tokens_per_step(self) -> float | None:
-        """Tokens per step per sequence."""
-        return self.new_tokens / self.steps / self.batch_size if self.steps else None
+        """Tokens per step of a sequence."""
+        return self.new_tokens / self.steps if self.steps else None
 
 
 def _transformers_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tokens: int
@@ -61,32 +62,40 @@ def _transformers_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor],
     return outputs, seconds, [seconds] * len(prompts)
 
 
-def _ours(model: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tokens: int, config: LookaheadConfig
-          ) -> tuple[list[list[int]], float, list[float], int]:
+def _engine(model: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tokens: int, config: LookaheadConfig,
+            batch_size: int) -> tuple[list[list[int]], float, list[float], int]:
+    """Every prompt queued on one engine of `batch_size` slots: outputs, seconds, latencies (from a request's
+    admission to its last token), and the steps of the requests summed."""
     start = time.perf_counter()
-    out = generate(model, list(prompts), max_new_tokens=max_new_tokens, config=config)
+    engine = Engine(model, max_batch=batch_size, max_length=max(p.numel() for p in prompts) + max_new_tokens)
+    params = RequestParams(max_new_tokens=max_new_tokens, config=config)
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    outputs: dict[int, list[int]] = {i: [] for i in ids}
+    stats = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id] += output.tokens
+            if output.finished:
+                stats[output.request_id] = output.stats
     seconds = time.perf_counter() - start
-    outputs = [row[p.numel(): p.numel() + s.new_tokens].tolist()
-               for row, p, s in zip(out.sequences, prompts, out.stats.per_sequence)]
-    return outputs, seconds, [s.seconds for s in out.stats.per_sequence], out.stats.steps
+    return [outputs[i] for i in ids], seconds, [stats[i].seconds for i in ids], sum(stats[i].steps for i in ids)
 
 
 def batch_runs(model: PreTrainedModel, prompts: Sequence[torch.Tensor], batch_sizes: Sequence[int],
                max_new_tokens: int, config: LookaheadConfig = AUTO_CONFIG,
                on_run: Callable[[BatchRun], None] | None = None) -> list[BatchRun]:
-    """For each batch size, every prompt once per method, the methods taking turns on each batch (so that
-    a drift of the machine's speed touches them alike)."""
+    """For each batch size, every prompt once per method, the three methods one after another."""
+    Engine(model, max_batch=max(batch_sizes))  # measures the cost curves of every batch size, once
     runs = []
     for size in batch_sizes:
         totals = {m: {"tokens": 0, "seconds": 0.0, "latency": 0.0, "steps": 0} for m in METHODS}
-        identical = True
-        for first in range(0, len(prompts), size):
-            chunk = prompts[first: first + size]
-            results = {"transformers": (*_transformers_batch(model, chunk, max_new_tokens), None),
-                       "plain": _ours(model, chunk, max_new_tokens, PLAIN),
-                       "lookahead": _ours(model, chunk, max_new_tokens, config)}
-            identical &= results["lookahead"][0] == results["plain"][0]
-            for method, (outputs, seconds, latencies, steps) in results.items():
+        results = {"transformers": [(*_transformers_batch(model, prompts[i: i + size], max_new_tokens), None)
+                                    for i in range(0, len(prompts), size)],
+                   "plain": [_engine(model, prompts, max_new_tokens, PLAIN, size)],
+                   "lookahead": [_engine(model, prompts, max_new_tokens, config, size)]}
+        identical = results["lookahead"][0][0] == results["plain"][0][0]
+        for method, parts in results.items():
+            for outputs, seconds, latencies, steps in parts:
                 total = totals[method]
                 total["tokens"] += sum(map(len, outputs))
                 total["seconds"] += seconds

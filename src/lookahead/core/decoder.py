@@ -37,6 +37,7 @@ class StepPlan:
     tree: GuessTree
     drafts: list[Draft]  # every source's drafts this step, fed or not
     sources: tuple[str, ...]  # per tree node: the source it was fed for
+    expected: float  # accepted guess tokens expected of the tree, before calibration
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class LookaheadDecoder:
     """choose: how a node's next token is picked (None: argmax); transform: applied to each node's logits
     first, with the committed tokens before that node (None: none). corpus: earlier requests' text for the
     suffix source. cost: the step cost curve that sizes the tree and the window when `config.budget` is set.
-    proposers: more draft sources, after the pool and the suffix source."""
+    proposers: more draft sources, after the pool and the suffix source. stats: acceptance statistics to
+    learn from and add to (shared by the requests of an engine); None: this sequence's own."""
 
     def __init__(
         self,
@@ -66,6 +68,7 @@ class LookaheadDecoder:
         corpus: Corpus | None = None,
         cost: StepCost | None = None,
         proposers: Sequence[Proposer] = (),
+        stats: AcceptanceStats | None = None,
     ) -> None:
         if config.budget and cost is None:
             raise ValueError("a budgeted config needs the step cost curve (cost=)")
@@ -79,7 +82,7 @@ class LookaheadDecoder:
         self.proposers: list[Proposer] = [pool, *suffix, *proposers]
         self._learn_from_prompt = [pool] * config.seed_from_prompt + self.proposers[1:]
         self._learn_from_output = [pool] * config.learn_from_output + self.proposers[1:]
-        self.stats = AcceptanceStats()
+        self.stats = stats if stats is not None else AcceptanceStats()
         self.accepted_by_source: Counter[str] = Counter()
         self.sequence = list(prompt)  # committed so far
         for proposer in self._learn_from_prompt:
@@ -96,13 +99,15 @@ class LookaheadDecoder:
     def demand(self, proposal: Proposal, window: bool = True, most: int | None = None) -> RowDemand:
         """The rows this sequence asks of the next step (`window`: feed the window; `most`: cap on rows)."""
         base = 1 + (len(self.window.tokens) if window else 0)
-        return RowDemand(base, proposal.nodes.probabilities, self.cost is not None,
+        scale = self.stats.calibration
+        return RowDemand(base, [min(1.0, p * scale) for p in proposal.nodes.probabilities], self.cost is not None,
                          most if most is not None else base + len(proposal.nodes.prefixes))
 
-    def window_pays(self, batch: int) -> bool:
-        """Whether the window's rows are nearly free in a step of `batch` sequences (always, unbudgeted)."""
+    def window_pays(self, cost: StepCost) -> bool:
+        """Whether the window's rows are nearly free in a step of relative cost `cost` by height (always,
+        unbudgeted)."""
         width = self.window.width
-        return self.cost is None or window_width(self.cost, width, self.config.levels, batch) == width
+        return self.cost is None or window_width(cost, width, self.config.levels) == width
 
     def plan(self, proposal: Proposal | None = None, nodes: int | None = None, window: bool = True) -> StepPlan:
         """The next step's input: the last committed token, the window (unless `window` is False: it then
@@ -116,7 +121,7 @@ class LookaheadDecoder:
         levels, width = (len(self.window.levels), self.window.width) if window_tokens else (0, 0)
         layout = step_layout(levels, width, merged.tree)
         tokens = torch.tensor([self.sequence[-1]] + window_tokens + merged.tree.tokens)
-        return StepPlan(tokens, layout, merged.tree, proposal.drafts, merged.sources)
+        return StepPlan(tokens, layout, merged.tree, proposal.drafts, merged.sources, merged.expected)
 
     def update(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
         """Verify, commit and learn. logits: [len(plan.layout.logit_rows), vocab], the model's outputs at
@@ -134,6 +139,7 @@ class LookaheadDecoder:
             for ngram in self.window.advance(window_outputs):
                 self.pool.add(ngram)
         self.stats.record(plan.drafts, verdict.tokens)
+        self.stats.record_fed(plan.expected, len(verdict.nodes))
         self.accepted_by_source.update(plan.sources[node] for node in verdict.nodes)
         self.sequence.extend(verdict.tokens)
         for proposer in self._learn_from_output:

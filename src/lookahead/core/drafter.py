@@ -1,10 +1,9 @@
 """The drafter: merges every source's drafts into one token tree and keeps the nodes worth their cost.
 
 Each node's chance of being accepted is estimated online, per source, matched-context length and depth;
-a step of k fed tokens costs T(k) (the forward cost curve of the model on this device). A step of B
-sequences padded to h rows each keeps, for every sequence, its h likeliest rows, with h maximising
-(expected tokens of the batch) / T(B * h): a step is wide where extra rows are nearly free (a GPU, a
-small batch) and lean where they are not.
+a step of B sequences padded to h rows each costs T(B, h) (the forward cost of the model on this device).
+Every sequence keeps its h likeliest rows, with h maximising (expected tokens of the batch) / T(B, h): a
+step is wide where extra rows are nearly free (a GPU, a small batch) and lean where they are not.
 """
 
 from __future__ import annotations
@@ -40,6 +39,19 @@ class AcceptanceStats:
     def __init__(self, prior_accepted: float = 1.0, prior_offered: float = 2.0) -> None:
         self._prior = (prior_accepted, prior_offered)
         self._counts: dict[tuple[str, int, int, int], list[float]] = {}
+        self._fed_expected = self._fed_accepted = 0.0
+
+    @property
+    def calibration(self) -> float:
+        """Accepted tokens of the fed trees over their expected count from `rate`: the ranking favours
+        the drafts whose estimates came out highest, which overstates them, and rarely seen kinds of
+        drafts start at the prior; the budget scales its estimates by this factor."""
+        return (self._fed_accepted + 1.0) / (self._fed_expected + 1.0)
+
+    def record_fed(self, expected: float, accepted: int) -> None:
+        """A step's fed tree: its expected accepted tokens (from `rate`) and how many were accepted."""
+        self._fed_expected += expected
+        self._fed_accepted += accepted
 
     def rate(self, draft: Draft, depth: int, rank: int = 0) -> float:
         key = (draft.source, rank, _context_bucket(draft.context), depth)
@@ -115,21 +127,20 @@ class RowDemand:
 
 def node_counts(demands: Sequence[RowDemand], cost: Callable[[int], float] | None) -> list[int]:
     """How many nodes each sequence of a step feeds. The step is one forward of every sequence padded to a
-    common height h, so it costs T(B * h) whatever each one uses: h maximises the batch's expected tokens
-    (one per sequence plus its accepted nodes) per unit of cost, and every sequence fills its h rows with
-    its likeliest nodes. Unbudgeted sequences feed all their nodes. A larger batch makes rows dearer, so
-    the tree shrinks towards plain decoding. `cost` None: every node."""
+    common height h, costing `cost(h)` (the batch's T(B, h), relative) whatever each one uses: h maximises
+    the batch's expected tokens (one per sequence plus its accepted nodes) per unit of cost, and every
+    sequence fills its h rows with its likeliest nodes. Unbudgeted sequences feed all their nodes. Where a
+    larger batch makes rows dearer, the tree shrinks towards plain decoding. `cost` None: every node."""
     if not demands:
         return []
     tallest = max(min(d.most, d.base + len(d.gains)) for d in demands)
     floor = max(min(d.most, d.base + (0 if d.flexible else len(d.gains))) for d in demands)
     height = tallest
     if cost is not None and any(d.flexible for d in demands):
-        batch = len(demands)
         best_value = -1.0
         for h in range(floor, tallest + 1):
             expected = sum(1.0 + sum(d.gains[: d.nodes_within(h)]) for d in demands)
-            value = expected / cost(batch * h)
+            value = expected / cost(h)
             if value > best_value:
                 best_value, height = value, h
     return [d.nodes_within(height) for d in demands]
@@ -139,9 +150,8 @@ def node_counts(demands: Sequence[RowDemand], cost: Callable[[int], float] | Non
 WINDOW_COST_TOLERANCE = 1.1
 
 
-def window_width(cost: Callable[[int], float], max_width: int, levels: int, batch: int = 1) -> int:
+def window_width(cost: Callable[[int], float], max_width: int, levels: int) -> int:
     """The widest window (at most `max_width` columns of `levels` rows) whose rows are nearly free: a step
-    of `batch` sequences each feeding its last token and the window costs at most WINDOW_COST_TOLERANCE
-    times a step of one token each."""
-    return max(w for w in range(max_width + 1)
-               if cost(batch * (1 + w * levels)) <= WINDOW_COST_TOLERANCE * cost(batch))
+    whose sequences each feed their last token and the window costs at most WINDOW_COST_TOLERANCE times a
+    step of one token each (`cost`: relative cost of a step by its height)."""
+    return max(w for w in range(max_width + 1) if cost(1 + w * levels) <= WINDOW_COST_TOLERANCE * cost(1))
