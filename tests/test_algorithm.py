@@ -449,3 +449,16 @@ def test_budget_caps_the_tree_and_an_unbudgeted_decoder_ignores_the_cost():
     plain = LookaheadConfig(window=5, ngram=4, guesses=2, seed_from_prompt=False, budget=False)
     ignored = LookaheadDecoder(plain, prompt, cost=lambda k: float(k), proposers=[_Recorder(many)])
     assert ignored.window.width == 5 and len(ignored.plan().tree.tokens) == 70  # every draft, the whole window
+
+
+def test_a_decoder_asks_for_rows_by_its_calibrated_estimates():
+    config = LookaheadConfig(window=0, ngram=4, guesses=2, seed_from_prompt=False, budget=True)
+    stats = AcceptanceStats()
+    decoder = LookaheadDecoder(config, [1, 2, 3], cost=lambda k: 1.0, proposers=[_Recorder([(7, 8), (9,)])],
+                               stats=stats)
+    proposal = decoder.propose()
+    raw = proposal.nodes.probabilities
+    assert decoder.demand(proposal).gains == raw
+    stats.record_fed(expected=3.0, accepted=0)  # the estimates ran four times too high
+    assert decoder.demand(proposal).gains == pytest.approx([p / 4 for p in raw])
+    assert decoder.demand(proposal, most=2).most == 2 and decoder.demand(proposal).base == 1

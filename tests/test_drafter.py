@@ -174,3 +174,52 @@ def test_window_rows_costing_exactly_the_tolerance_still_fit():
     def cost(k):  # one column of 3 rows costs exactly WINDOW_COST_TOLERANCE times a one-token step
         return 1.0 if k == 1 else WINDOW_COST_TOLERANCE if k <= 4 else 2.0
     assert window_width(cost, 5, 3) == 1
+
+
+def _best_height(demands, cost):
+    """Brute force: the height with the most expected tokens per unit of cost (the lowest such)."""
+    tallest = max(min(d.most, d.base + len(d.gains)) for d in demands)
+    floor = max(min(d.most, d.base + (0 if d.flexible else len(d.gains))) for d in demands)
+    value = {h: sum(1 + sum(d.gains[: d.nodes_within(h)]) for d in demands) / cost(h) for h in range(floor, tallest + 1)}
+    return min(h for h in value if value[h] == max(value.values()))
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.integers(1, 4), st.lists(st.floats(0.01, 1.0), max_size=8), st.booleans(),
+                          st.integers(1, 12)), min_size=1, max_size=5),
+       st.floats(0.0, 0.5))
+def test_node_counts_pad_every_sequence_to_the_best_common_height(raw, slope):
+    demands = [RowDemand(base, sorted(gains, reverse=True), flexible, max(most, base))
+               for base, gains, flexible, most in raw]
+
+    def cost(h):
+        return 1 + slope * (h - 1)
+
+    counts = node_counts(demands, cost)
+    if any(d.flexible for d in demands):
+        height = _best_height(demands, cost)
+    else:  # nothing to choose: every node of every sequence, within its cap
+        height = max(min(d.most, d.base + len(d.gains)) for d in demands)
+    assert counts == [d.nodes_within(height) for d in demands]
+    for d, count in zip(demands, counts):
+        assert d.base + count <= max(d.most, d.base) and count <= len(d.gains)
+
+
+def test_a_dearer_batch_feeds_fewer_nodes_and_an_unbudgeted_sequence_sets_the_floor():
+    gains = [0.6, 0.4, 0.3, 0.2]
+    flexible = RowDemand(1, gains, True, 10)
+    cheap = node_counts([flexible] * 8, lambda h: 1 + 0.05 * (h - 1))
+    dear = node_counts([flexible] * 8, lambda h: 1 + 0.5 * (h - 1))
+    assert cheap == [4] * 8 and dear == [1] * 8  # 0.6 pays for a 1.5x step, 0.4 more does not pay 2x
+    assert node_counts([flexible] * 8, None) == [4] * 8
+    fixed = RowDemand(1, [0.1] * 6, False, 10)  # an unbudgeted sequence feeds all 6 nodes: 7 rows for all
+    assert node_counts([fixed, flexible], lambda h: float(h)) == [6, 4]  # the padding is free: filled
+
+
+def test_calibration_scales_the_budget_by_what_fed_trees_gained():
+    stats = AcceptanceStats()
+    assert stats.calibration == 1.0  # no evidence: the estimates are taken as they are
+    stats.record_fed(expected=9.0, accepted=2)
+    assert stats.calibration == pytest.approx(3 / 10)
+    stats.record_fed(expected=1.0, accepted=8)  # under-estimates raise it
+    assert stats.calibration == pytest.approx(11 / 11)

@@ -203,3 +203,16 @@ def test_bad_engine_input_is_refused_before_any_work(llama_tiny, call, error, me
     assert recorder.sizes == []  # no forward ran
     assert model_fingerprint(llama_tiny) == fingerprint
     assert not engine.has_unfinished()  # nothing was queued
+
+
+def test_the_cost_of_a_batch_step_is_measured_per_batch_size_once(llama_tiny):
+    from lookahead.costs import batch_cost_curve
+    from lookahead.hf import HFModelRunner
+
+    runner = HFModelRunner(llama_tiny)
+    curve = batch_cost_curve(runner, 8)
+    assert curve.sizes == [1, 2, 4, 8, 16] and curve.relative[0] == 1.0  # 8 x 16 rows at most: 128
+    with ForwardRecorder(llama_tiny) as recorder:
+        again = batch_cost_curve(runner, 8)
+    assert recorder.sizes == [] and again.relative == curve.relative  # kept, not measured again
+    assert batch_cost_curve(runner, 1).sizes == [1, 2, 4, 8, 16, 32, 64]  # one sequence: the k-row curve
