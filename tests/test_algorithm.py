@@ -459,6 +459,7 @@ def test_a_decoder_asks_for_rows_by_its_calibrated_estimates():
     proposal = decoder.propose()
     raw = proposal.nodes.probabilities
     assert decoder.demand(proposal).gains == raw
-    stats.record_fed(expected=3.0, accepted=0)  # the estimates ran four times too high
+    for _ in range(6):
+        stats.record_top(0.5, False)  # the likeliest node was never right: (0 + 1) / (3 + 1)
     assert decoder.demand(proposal).gains == pytest.approx([p / 4 for p in raw])
     assert decoder.demand(proposal, most=2).most == 2 and decoder.demand(proposal).base == 1

@@ -171,3 +171,21 @@ def test_report_lists_every_divergence():
     assert "token-identical" in divergence_table(runs[:1])
     sampled = [Run("a", "c", 0, "plain", 8, 8, 1.0, 0.9, 8, None, None)]
     assert "not compared" in divergence_table(sampled)
+
+
+def test_bench_batch_sizes_on_a_tiny_model(tiny_dir, tmp_path):
+    result = run("bench", "--model", tiny_dir, "--batch-size", "1,3", "--limit", "4", "--max-new-tokens", "8",
+                 "--config", "2,3,2", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [(r["batch_size"], r["method"]) for r in runs] == [
+        (b, m) for b in (1, 3) for m in ("transformers", "plain", "lookahead")]
+    for r in runs:
+        assert r["sequences"] == 4 and 4 <= r["new_tokens"] <= 32 and r["seconds"] > 0 and r["latency"] > 0
+        if r["method"] == "lookahead":
+            assert r["identical"] is True  # the same tokens as the plain engine
+        if r["method"] == "plain":  # one token per step of each sequence
+            assert r["tokens_per_step"] == pytest.approx(1.0)
+    assert (tmp_path / "batch.png").stat().st_size > 0 and "| 3 | lookahead |" in (tmp_path / "report.md").read_text()
+    bad = run("bench", "--model", tiny_dir, "--batch-size", "0,2")
+    assert bad.returncode == 2 and "--batch-size" in bad.stderr

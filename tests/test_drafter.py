@@ -216,10 +216,12 @@ def test_a_dearer_batch_feeds_fewer_nodes_and_an_unbudgeted_sequence_sets_the_fl
     assert node_counts([fixed, flexible], lambda h: float(h)) == [6, 4]  # the padding is free: filled
 
 
-def test_calibration_scales_the_budget_by_what_fed_trees_gained():
+def test_calibration_scales_the_budget_by_how_often_the_likeliest_node_was_right():
     stats = AcceptanceStats()
     assert stats.calibration == 1.0  # no evidence: the estimates are taken as they are
-    stats.record_fed(expected=9.0, accepted=2)
-    assert stats.calibration == pytest.approx(3 / 10)
-    stats.record_fed(expected=1.0, accepted=8)  # under-estimates raise it
-    assert stats.calibration == pytest.approx(11 / 11)
+    for accepted in (True, False, False, False):
+        stats.record_top(0.5, accepted)
+    assert stats.calibration == pytest.approx(2 / 3)  # (1 + 1) / (2 + 1)
+    for _ in range(4):
+        stats.record_top(0.25, True)  # under-estimates raise it
+    assert stats.calibration == pytest.approx(6 / 4)

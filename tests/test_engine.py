@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import model_fingerprint, peaked, reference_greedy
+from conftest import model_fingerprint, reference_greedy
 from test_exact_tiny import ForwardRecorder, random_prompt
-from test_sampling import PROMPT, reference_samples, same_distribution_pvalue
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_sampling import PROMPT, reference_samples, same_distribution_pvalue, small_vocab_model  # noqa: F401
 
 from lookahead import LookaheadConfig, generate
 from lookahead.engine import Engine, RequestParams
@@ -119,14 +118,6 @@ def test_aborting_a_running_request_frees_its_slot_for_a_waiting_one(llama_tiny)
         assert {o.request_id for o in outputs} <= {waiting}
         tokens += [t for o in outputs for t in o.tokens]
     assert tokens == reference_greedy(llama_tiny, prompts_of([6])[0].view(1, -1), 8, eos_token_id=[])[0, 6:].tolist()
-
-
-@pytest.fixture(scope="module")
-def small_vocab_model():
-    torch.manual_seed(1)
-    config = LlamaConfig(vocab_size=10, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, bos_token_id=0, eos_token_id=1, pad_token_id=0)
-    return peaked(LlamaForCausalLM(config), 0.25)
 
 
 def test_a_seeded_request_samples_the_same_whatever_else_is_in_the_batch(small_vocab_model):

@@ -91,24 +91,24 @@ def divergence_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-def write_benchmark(out: Path, runs: list[Run], rows: list[Summary], env: dict, command: str) -> list[Path]:
+def _write_results(out: Path, title: str, command: str, env: dict, results: dict, body: str) -> list[Path]:
+    """results.json (the command, the environment and `results`) and report.md (`body` under the same header)."""
     out.mkdir(parents=True, exist_ok=True)
-    results = {
-        "command": command,
-        "environment": env,
-        "summary": [r.as_dict() for r in rows],
-        "runs": [{**asdict(r), "tokens_per_step": r.tokens_per_step} for r in runs],
-    }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.json").write_text(json.dumps({"command": command, "environment": env, **results}, indent=1))
     env_lines = "\n".join(f"- {key}: {value}" for key, value in env.items())
-    (out / "report.md").write_text(
-        f"# Benchmark\n\n`{command}`\n\n{env_lines}\n\n{summary_table(rows)}\n\n"
-        "Speedup (total) is the ratio of total times; geomean, the geometric mean of per-prompt ratios; "
-        "overhead, the share of our time spent outside the model's forward.\n\n"
-        f"## Divergences\n\n{divergence_table(runs)}\n\n"
-        "![speedup](speedup.png)\n\n![tokens per step](tokens_per_step.png)\n"
-    )
-    return [out / "results.json", out / "report.md", _bars(out / "speedup.png", rows, "speedup_total", "speedup vs greedy"),
+    (out / "report.md").write_text(f"# {title}\n\n`{command}`\n\n{env_lines}\n\n{body}")
+    return [out / "results.json", out / "report.md"]
+
+
+def write_benchmark(out: Path, runs: list[Run], rows: list[Summary], env: dict, command: str) -> list[Path]:
+    results = {"summary": [r.as_dict() for r in rows], "runs": [{**asdict(r), "tokens_per_step": r.tokens_per_step} for r in runs]}
+    body = (f"{summary_table(rows)}\n\n"
+            "Speedup (total) is the ratio of total times; geomean, the geometric mean of per-prompt ratios; "
+            "overhead, the share of our time spent outside the model's forward.\n\n"
+            f"## Divergences\n\n{divergence_table(runs)}\n\n"
+            "![speedup](speedup.png)\n\n![tokens per step](tokens_per_step.png)\n")
+    return [*_write_results(out, "Benchmark", command, env, results, body),
+            _bars(out / "speedup.png", rows, "speedup_total", "speedup vs greedy"),
             _bars(out / "tokens_per_step.png", rows, "tokens_per_step", "tokens per step")]
 
 
@@ -141,17 +141,13 @@ def write_cost(out: Path, points: list[CostPoint], env: dict) -> list[Path]:
 
 
 def write_batch(out: Path, runs: list[BatchRun], env: dict, command: str) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    results = {"command": command, "environment": env,
-               "runs": [{**asdict(r), "tokens_per_second": r.tokens_per_second, "tokens_per_step": r.tokens_per_step}
+    results = {"runs": [{**asdict(r), "tokens_per_second": r.tokens_per_second, "tokens_per_step": r.tokens_per_step}
                         for r in runs]}
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    env_lines = "\n".join(f"- {key}: {value}" for key, value in env.items())
-    (out / "report.md").write_text(
-        f"# Batch benchmark\n\n`{command}`\n\n{env_lines}\n\n{batch_table(runs)}\n\n"
-        "tokens/s: new tokens of all sequences over the wall time; latency: mean seconds from a batch's start "
-        "to a sequence's last token (transformers returns every sequence at the end of its batch).\n\n"
-        "![throughput](batch.png)\n")
+    body = (f"{batch_table(runs)}\n\n"
+            "tokens/s: new tokens of all sequences over the wall time; latency: mean seconds from a sequence's "
+            "start (for our engine: its admission to a slot) to its last token (transformers returns every "
+            "sequence at the end of its batch).\n\n![throughput](batch.png)\n")
+    written = _write_results(out, "Batch benchmark", command, env, results, body)
     fig, ax = plt.subplots(figsize=(6, 4))
     for method in METHODS:
         points = [(r.batch_size, r.tokens_per_second) for r in runs if r.method == method]
@@ -160,7 +156,7 @@ def write_batch(out: Path, runs: list[BatchRun], env: dict, command: str) -> lis
     ax.set_xlabel("batch size")
     ax.set_ylabel("tokens/s (all sequences)")
     ax.legend()
-    return [out / "results.json", out / "report.md", _save(fig, ax, out / "batch.png")]
+    return [*written, _save(fig, ax, out / "batch.png")]
 
 
 def fit_log_line(points: list[SweepPoint]) -> tuple[float, float]:

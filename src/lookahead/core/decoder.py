@@ -37,7 +37,7 @@ class StepPlan:
     tree: GuessTree
     drafts: list[Draft]  # every source's drafts this step, fed or not
     sources: tuple[str, ...]  # per tree node: the source it was fed for
-    expected: float  # accepted guess tokens expected of the tree, before calibration
+    top: tuple[int, float] | None  # the likeliest draft node (a first token) and its estimated chance
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,8 @@ class LookaheadDecoder:
         levels, width = (len(self.window.levels), self.window.width) if window_tokens else (0, 0)
         layout = step_layout(levels, width, merged.tree)
         tokens = torch.tensor([self.sequence[-1]] + window_tokens + merged.tree.tokens)
-        return StepPlan(tokens, layout, merged.tree, proposal.drafts, merged.sources, merged.expected)
+        top = (proposal.nodes.prefixes[0][0], proposal.nodes.probabilities[0]) if proposal.nodes.prefixes else None
+        return StepPlan(tokens, layout, merged.tree, proposal.drafts, merged.sources, top)
 
     def update(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
         """Verify, commit and learn. logits: [len(plan.layout.logit_rows), vocab], the model's outputs at
@@ -139,7 +140,8 @@ class LookaheadDecoder:
             for ngram in self.window.advance(window_outputs):
                 self.pool.add(ngram)
         self.stats.record(plan.drafts, verdict.tokens)
-        self.stats.record_fed(plan.expected, len(verdict.nodes))
+        if plan.top is not None:
+            self.stats.record_top(plan.top[1], plan.top[0] == verdict.tokens[0])
         self.accepted_by_source.update(plan.sources[node] for node in verdict.nodes)
         self.sequence.extend(verdict.tokens)
         for proposer in self._learn_from_output:

@@ -39,19 +39,20 @@ class AcceptanceStats:
     def __init__(self, prior_accepted: float = 1.0, prior_offered: float = 2.0) -> None:
         self._prior = (prior_accepted, prior_offered)
         self._counts: dict[tuple[str, int, int, int], list[float]] = {}
-        self._fed_expected = self._fed_accepted = 0.0
+        self._top_expected = self._top_accepted = 0.0
 
     @property
     def calibration(self) -> float:
-        """Accepted tokens of the fed trees over their expected count from `rate`: the ranking favours
-        the drafts whose estimates came out highest, which overstates them, and rarely seen kinds of
-        drafts start at the prior; the budget scales its estimates by this factor."""
-        return (self._fed_accepted + 1.0) / (self._fed_expected + 1.0)
+        """How often the likeliest node of a step was right, over how often `rate` said it would be: the
+        ranking favours the drafts whose estimates came out highest, which overstates them, and rarely
+        seen kinds of drafts start at the prior; the budget scales its estimates by this factor. It is
+        learnt whether or not the node was fed, so a budget that stopped feeding can start again."""
+        return (self._top_accepted + 1.0) / (self._top_expected + 1.0)
 
-    def record_fed(self, expected: float, accepted: int) -> None:
-        """A step's fed tree: its expected accepted tokens (from `rate`) and how many were accepted."""
-        self._fed_expected += expected
-        self._fed_accepted += accepted
+    def record_top(self, probability: float, accepted: bool) -> None:
+        """A step's likeliest node: its estimated chance, and whether the committed text began with it."""
+        self._top_expected += probability
+        self._top_accepted += accepted
 
     def rate(self, draft: Draft, depth: int, rank: int = 0) -> float:
         key = (draft.source, rank, _context_bucket(draft.context), depth)
