@@ -386,6 +386,34 @@ def corpus_command(
     print(corpus_table(corpus_runs(lm, tokenizer, documents, max_new_tokens)))
 
 
+@app.command("serve")
+def serve_command(
+    model: ModelOption = None,
+    gguf_file: GgufOption = None,
+    dtype: DtypeOption = "float32",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
+    max_batch: Annotated[int, typer.Option(min=1, help="Requests decoded together (KV slots).")] = 8,
+    max_queue: Annotated[int, typer.Option(min=0, help="Requests that may wait for a slot; more get 429.")] = 64,
+    max_length: Annotated[Optional[int], typer.Option(min=2, help="Most positions of a request (default: the model's context, at most 4096).")] = None,
+    api_key: Annotated[Optional[list[str]], typer.Option("--api-key", help="Accepted key (Authorization: Bearer KEY); repeat for several. Default: none needed.")] = None,
+    threads: ThreadsOption = None,
+) -> None:
+    """An OpenAI-compatible server (chat and text completions, streaming) on the lookahead engine."""
+    import uvicorn
+
+    from .serve import create_app
+
+    lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
+    name = model or "SmolLM2-135M-Instruct"
+    try:
+        server_app = create_app(lm, tokenizer, model_name=name, max_batch=max_batch, max_queue=max_queue,
+                                max_length=max_length, api_keys=tuple(api_key or ()))
+    except (ValueError, MemoryError) as error:
+        _fail(str(error))
+    uvicorn.run(server_app, host=host, port=port, log_level="warning")
+
+
 def _int_list(text: str, hint: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]

@@ -196,6 +196,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting) or any(self._slots)
 
+    def running(self) -> int:
+        """Requests holding a slot."""
+        return sum(request is not None for request in self._slots)
+
+    def waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self._waiting)
+
     def abort(self, request_id: int) -> bool:
         """Drop a request, waiting or running; its slot is free for the next step. False if unknown."""
         for request in self._waiting:

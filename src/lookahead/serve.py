@@ -1,0 +1,325 @@
+"""`lookahead serve`: an OpenAI-compatible HTTP server on the engine (FastAPI).
+
+One background thread steps the engine; each HTTP request adds an engine request and reads the tokens
+the engine commits for it from an asyncio queue. Streaming replies are server-sent events ending with
+`data: [DONE]`; a client that goes away aborts its request, which frees its slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .config import AUTO_CONFIG, LookaheadConfig
+from .core.suffix import Corpus
+from .engine import Engine, RequestParams, StepOutput
+from .prompts import encode_messages, has_chat_template
+
+PLAIN = LookaheadConfig(window=0, guesses=0)
+
+
+class Message(BaseModel):
+    role: str
+    content: str
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Our extension: "auto" (the default), "off", or {"window": W, "ngram": N, "guesses": G}.
+    lookahead: str | dict[str, int] = "auto"
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_Common):
+    prompt: str
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+@dataclass
+class _Stream:
+    """What one HTTP request reads: the engine's outputs for its request, in order."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class EngineLoop:
+    """Steps the engine on a thread of its own; `add` and `abort` may be called from any thread."""
+
+    def __init__(self, engine: Engine, max_queue: int) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._streams: dict[int, _Stream] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="lookahead-engine", daemon=True)
+        self._thread.start()
+
+    def add(self, prompt: torch.Tensor, params: RequestParams) -> tuple[int, _Stream]:
+        with self._lock:
+            if self.engine.waiting() >= self.max_queue:
+                raise APIError(429, f"the server's queue is full ({self.max_queue} requests wait); retry later",
+                               kind="rate_limit_error")
+            try:
+                request = self.engine.add_request(prompt, params)
+            except ValueError as error:
+                raise APIError(400, str(error)) from error
+            stream = self._streams[request] = _Stream(asyncio.get_running_loop())
+        self._wake.set()
+        return request, stream
+
+    def abort(self, request: int) -> None:
+        with self._lock:
+            self.engine.abort(request)
+            self._streams.pop(request, None)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            with self._lock:
+                busy = self.engine.has_unfinished()
+                try:
+                    outputs = self.engine.step() if busy else []
+                except Exception:  # noqa: BLE001 - a failed step ends its requests instead of hanging them
+                    traceback.print_exc()
+                    outputs = [StepOutput(request, [], True) for request in self._streams]
+                    for request in outputs:
+                        self.engine.abort(request.request_id)
+                deliveries = [(self._streams.get(o.request_id), o) for o in outputs]
+                for output in outputs:
+                    if output.finished:
+                        self._streams.pop(output.request_id, None)
+            for stream, output in deliveries:
+                if stream is not None:
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+            if not busy:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+
+
+def _lookahead_config(value: str | dict[str, int]) -> LookaheadConfig:
+    if value == "auto":
+        return AUTO_CONFIG
+    if value == "off":
+        return PLAIN
+    if isinstance(value, dict):
+        unknown = set(value) - {"window", "ngram", "guesses"}
+        if unknown:
+            raise APIError(400, f"lookahead takes window, ngram and guesses; got {sorted(unknown)}", "lookahead")
+        try:
+            return LookaheadConfig(**value)
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error), "lookahead") from error
+    raise APIError(400, f"lookahead must be 'auto', 'off' or {{window, ngram, guesses}}, got {value!r}", "lookahead")
+
+
+def _error(status: int, message: str, param: str | None, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_name: str = "lookahead",
+               max_batch: int = 8, max_queue: int = 64, max_length: int | None = None,
+               api_keys: tuple[str, ...] = (), corpus_megabytes: int = 64) -> FastAPI:
+    """The app: OpenAI's chat and text completions, models, health. Requests decode on one engine of
+    `max_batch` slots; beyond `max_queue` waiting requests, new ones get 429. With `api_keys`, every
+    request must carry one (`Authorization: Bearer KEY`); each key has a corpus of its own (the suffix
+    source drafts from earlier requests of the same key, never of another one)."""
+    engine = Engine(model, max_batch=max_batch, max_length=max_length)
+    runner = EngineLoop(engine, max_queue)
+    corpora: dict[str | None, Corpus] = {}
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        runner.stop()
+
+    app = FastAPI(title="lookahead", lifespan=lifespan)
+    app.state.engine_loop = runner
+    app.state.corpora = corpora
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        return _error(error.status, error.message, error.param, error.kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"] if part != "body")
+        return _error(400, f"{where}: {first['msg']}" if where else first["msg"], where or None, "invalid_request_error")
+
+    def authorise(request: Request) -> str | None:
+        if not api_keys:
+            return None
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if given not in api_keys:
+            raise APIError(401, "invalid API key: pass one of the server's --api-key values as a Bearer token",
+                           kind="authentication_error")
+        return given
+
+    def params_of(body: _Common, key: str | None, max_tokens: int | None) -> RequestParams:
+        if body.model != model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model",
+                           "not_found_error")
+        if body.n != 1:
+            raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", "n")
+        corpus = corpora.setdefault(key, Corpus(max_megabytes=corpus_megabytes))
+        return RequestParams(max_new_tokens=max_tokens or 256, config=_lookahead_config(body.lookahead),
+                             do_sample=body.temperature > 0, temperature=body.temperature or None,
+                             top_p=body.top_p, top_k=0, seed=body.seed if body.temperature > 0 else None,
+                             corpus=corpus)
+
+    async def run(request: Request, body: _Common, prompt: torch.Tensor, params: RequestParams, chat: bool):
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        rid, stream = runner.add(prompt, params)
+        started = time.time()
+        reply = _Reply(tokenizer, stops)
+        name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        kind = "chat.completion" if chat else "text_completion"
+        usage = lambda: {"prompt_tokens": prompt.numel(), "completion_tokens": reply.tokens,  # noqa: E731
+                         "total_tokens": prompt.numel() + reply.tokens}
+
+        async def outputs() -> AsyncIterator[str]:
+            """The reply's text pieces; ends when the request finishes or a stop string is met."""
+            try:
+                while True:
+                    output: StepOutput = await stream.queue.get()
+                    piece = reply.add(output.tokens)
+                    if piece:
+                        yield piece
+                    if reply.stopped or output.finished:
+                        reply.finish_reason = "stop" if reply.stopped or not reply.hit_length(params) else "length"
+                        return
+            finally:  # a stop string, or a client gone: the engine drops it (a finished request is gone already)
+                runner.abort(rid)
+
+        def chunk(piece: str | None, finish: str | None) -> dict:
+            choice = ({"index": 0, "delta": ({"content": piece} if piece is not None else {}), "finish_reason": finish}
+                      if chat else {"index": 0, "text": piece or "", "finish_reason": finish})
+            return {"id": name, "object": f"{kind}.chunk" if chat else kind, "created": int(started),
+                    "model": model_name, "choices": [choice]}
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                if chat:
+                    first = chunk(None, None)
+                    first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                    yield f"data: {json.dumps(first)}\n\n"
+                async for piece in outputs():
+                    if await request.is_disconnected():
+                        return
+                    yield f"data: {json.dumps(chunk(piece, None))}\n\n"
+                yield f"data: {json.dumps(chunk(None, reply.finish_reason))}\n\n"
+                if body.stream_options is not None and body.stream_options.include_usage:
+                    last = chunk(None, None)
+                    last["choices"], last["usage"] = [], usage()
+                    yield f"data: {json.dumps(last)}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        text = "".join([piece async for piece in outputs()])
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reply.finish_reason}
+                  if chat else {"index": 0, "text": text, "finish_reason": reply.finish_reason})
+        return {"id": name, "object": kind, "created": int(started), "model": model_name, "choices": [choice],
+                "usage": usage()}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatRequest):
+        key = authorise(request)
+        params = params_of(body, key, body.max_completion_tokens or body.max_tokens)
+        messages = [m.model_dump() for m in body.messages]
+        if has_chat_template(tokenizer):
+            prompt = encode_messages(tokenizer, messages)[0]
+        else:
+            prompt = tokenizer("\n".join(m["content"] for m in messages), return_tensors="pt")["input_ids"][0]
+        return await run(request, body, prompt, params, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        key = authorise(request)
+        params = params_of(body, key, body.max_tokens)
+        if not body.prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        prompt = tokenizer(body.prompt, return_tensors="pt")["input_ids"][0]
+        return await run(request, body, prompt, params, chat=False)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorise(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "lookahead"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "running": engine.running(), "waiting": engine.waiting()}
+
+    return app
+
+
+class _Reply:
+    """A reply's text as tokens arrive: decoded whole each time, released up to the last complete
+    character, cut at the first stop string."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str]) -> None:
+        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False
+        self.finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+    def hit_length(self, params: RequestParams) -> bool:
+        return self.tokens >= params.max_new_tokens
+
+    def add(self, tokens: list[int]) -> str:
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for stop in self.stops:
+            at = text.find(stop)
+            if at >= 0:
+                text, self.stopped = text[:at], True
+        if not self.stopped and text.endswith("\ufffd"):  # a character cut in the middle: wait for the rest
+            return ""
+        piece, self.sent = text[len(self.sent):], text
+        return piece

@@ -1,0 +1,213 @@
+"""`lookahead serve`, driven through the official `openai` client on loopback, on the real default model:
+greedy replies equal `generate`, streams and plain replies agree, concurrent streams each equal their
+request alone, a client that goes away frees its slot, bad requests get OpenAI-style 4xx errors."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import threading
+import time
+
+import json
+import urllib.error
+import urllib.request
+import openai
+import pytest
+import uvicorn
+from conftest import reference_greedy
+
+from lookahead.prompts import encode_messages
+from lookahead.serve import create_app
+
+pytestmark = pytest.mark.slow
+
+KEYS = ("key-a", "key-b")
+MODEL = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    model, tokenizer = default_model
+    app = create_app(model, tokenizer, model_name=MODEL, max_batch=4, max_queue=40, max_length=1024, api_keys=KEYS)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", app
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def raw(url: str, body: dict | None = None, key: str = KEYS[1]) -> tuple[int, dict]:
+    """An HTTP request without the openai client (which would refuse some malformed bodies itself)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Authorization": f"Bearer {key}",
+                                                              "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def client(url: str, key: str = KEYS[0]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def greedy_text(default_model, question: str, tokens: int) -> str:
+    model, tokenizer = default_model
+    ids = encode_messages(tokenizer, [{"role": "user", "content": question}])
+    expected = reference_greedy(model, ids, tokens)[0, ids.shape[1]:]
+    return tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_chat_reply_equals_generate_streamed_or_not(server, default_model):
+    url, _ = server
+    question = "Name three colours of the rainbow."
+    expected = greedy_text(default_model, question, 24)
+    messages = [{"role": "user", "content": question}]
+    reply = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.completion_tokens <= 24 and reply.usage.prompt_tokens > 5
+    stream = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens  # the usage chunk comes last
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_text_completion_and_stop_strings(server, default_model):
+    url, _ = server
+    model, tokenizer = default_model
+    prompt = "def fibonacci(n):"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    expected = tokenizer.decode(reference_greedy(model, ids, 20)[0, ids.shape[1]:], skip_special_tokens=True)
+    reply = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    assert reply.choices[0].text == expected
+    stop = expected.strip()[3:6]
+    cut = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == expected[: expected.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_sixteen_concurrent_streams_each_equal_their_request_alone(server, default_model):
+    url, _ = server
+    questions = [f"Write one sentence about the number {i}." for i in range(16)]
+
+    def ask(question: str) -> str:
+        stream = client(url).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=12, temperature=0, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        replies = list(pool.map(ask, questions))
+    assert replies == [greedy_text(default_model, q, 12) for q in questions]
+
+
+def test_a_client_that_leaves_frees_its_slot(server):
+    url, app = server
+    engine = app.state.engine_loop.engine
+    stream = client(url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell a very long story."}], max_tokens=900, stream=True)
+    chunks = iter(stream)
+    while not next(chunks).choices[0].delta.content:  # the first chunk (the role) comes before any token
+        pass
+    assert engine.running() == 1
+    stream.close()
+    deadline = time.time() + 20
+    while engine.running() and time.time() < deadline:
+        time.sleep(0.1)
+    assert engine.running() == 0
+
+
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        ({"model": MODEL}, 400, "messages"),
+        ({"model": MODEL, "messages": "hi"}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n must be 1"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "gpt-9"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 1100}]}, 400, "max_length of 1024"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "lookahead": {"window": -1}}, 400,
+         "window"),
+    ],
+    ids=["no-messages", "messages-not-a-list", "n=2", "negative-max-tokens", "unknown-model", "oversized-prompt",
+         "bad-lookahead"],
+)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, words):
+    url, _ = server
+    code, reply = raw(f"{url}/v1/chat/completions", body)
+    assert code == status
+    assert words in reply["error"]["message"] and reply["error"]["type"]
+    assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
+
+
+def test_a_wrong_api_key_is_refused(server):
+    url, _ = server
+    with pytest.raises(openai.AuthenticationError):
+        client(url, key="not-a-key").models.list()
+    assert [m.id for m in client(url).models.list().data] == [MODEL]
+
+
+def test_seeded_sampling_repeats_and_differs_by_seed(server):
+    url, _ = server
+    messages = [{"role": "user", "content": "Say something surprising."}]
+
+    def sample(seed: int, lookahead="auto") -> str:
+        return client(url).chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=16, temperature=0.9, seed=seed,
+            extra_body={"lookahead": lookahead}).choices[0].message.content
+
+    first = sample(1)
+    assert sample(1, "off") == first  # the same tokens with lookahead off
+    assert {sample(s) for s in (2, 3, 4)} != {first}
+
+
+def test_the_corpus_is_kept_per_api_key(server):
+    """A request's prompt and reply join its own key's corpus only: another key's requests never draft
+    from it."""
+    url, app = server
+    corpora = app.state.corpora
+    before = {key: len(corpora[key]) if key in corpora else 0 for key in KEYS}
+    question = {"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}
+    client(url, KEYS[0]).chat.completions.create(model=MODEL, messages=[question], max_tokens=8, temperature=0)
+    assert len(corpora[KEYS[0]]) == before[KEYS[0]] + 1
+    assert (len(corpora[KEYS[1]]) if KEYS[1] in corpora else 0) == before[KEYS[1]]
+
+
+def test_the_serve_command_starts_on_the_default_model():
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = shutil.which("lookahead", path=str(Path(sys.executable).parent))
+    process = subprocess.Popen([command, "serve", "--port", str(port), "--max-batch", "2"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                assert raw(f"http://127.0.0.1:{port}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
+                break
+            except urllib.error.URLError:
+                assert process.poll() is None, process.communicate()[1]
+                time.sleep(0.5)
+        else:
+            pytest.fail("the server did not answer within 120 s")
+        reply = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0).completions.create(
+            model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens == 4 and reply.choices[0].text
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
