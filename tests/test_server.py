@@ -5,6 +5,7 @@ request alone, a client that goes away frees its slot, bad requests get OpenAI-s
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import socket
 import threading
 import time
@@ -26,10 +27,9 @@ KEYS = ("key-a", "key-b")
 MODEL = "smollm2"
 
 
-@pytest.fixture(scope="module")
-def server(default_model):
-    model, tokenizer = default_model
-    app = create_app(model, tokenizer, model_name=MODEL, max_batch=4, max_queue=40, max_length=1024, api_keys=KEYS)
+@contextlib.contextmanager
+def serving(app):
+    """The app on a free loopback port, in a thread of this process: its URL."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -38,9 +38,19 @@ def server(default_model):
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    model, tokenizer = default_model
+    app = create_app(model, tokenizer, model_name=MODEL, max_batch=4, max_queue=40, max_length=1024, api_keys=KEYS)
+    with serving(app) as url:
+        yield url, app
 
 
 def raw(url: str, body: dict | None = None, key: str = KEYS[1]) -> tuple[int, dict]:
@@ -211,3 +221,22 @@ def test_the_serve_command_starts_on_the_default_model():
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_a_full_queue_answers_429_and_the_server_keeps_serving(default_model):
+    model, tokenizer = default_model
+    app = create_app(model, tokenizer, model_name=MODEL, max_batch=1, max_queue=0, max_length=1024)
+    with serving(app) as url:
+        messages = [{"role": "user", "content": "Tell a very long story."}]
+        busy = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=900, stream=True)
+        chunks = iter(busy)
+        while not next(chunks).choices[0].delta.content:
+            pass
+        with pytest.raises(openai.RateLimitError, match="server is full"):  # one slot, no room to wait
+            client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+        busy.close()
+        deadline = time.time() + 20
+        while app.state.engine_loop.engine.running() and time.time() < deadline:
+            time.sleep(0.1)
+        reply = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens == 4

@@ -94,8 +94,9 @@ class EngineLoop:
 
     def add(self, prompt: torch.Tensor, params: RequestParams) -> tuple[int, _Stream]:
         with self._lock:
-            if self.engine.waiting() >= self.max_queue:
-                raise APIError(429, f"the server's queue is full ({self.max_queue} requests wait); retry later",
+            if self.engine.running() + self.engine.waiting() >= self.engine.max_batch + self.max_queue:
+                raise APIError(429, f"the server is full ({self.engine.max_batch} requests decode, {self.max_queue} "
+                                    "may wait); retry later",
                                kind="rate_limit_error")
             try:
                 request = self.engine.add_request(prompt, params)
