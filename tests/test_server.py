@@ -240,3 +240,28 @@ def test_a_full_queue_answers_429_and_the_server_keeps_serving(default_model):
             time.sleep(0.1)
         reply = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
         assert reply.usage.completion_tokens == 4
+
+
+def test_metrics_count_requests_tokens_and_latencies(server):
+    url, _ = server
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
+
+    before = scrape()
+    reply = client(url).completions.create(model=MODEL, prompt="One, two, three,", max_tokens=10, temperature=0)
+    after = scrape()
+    made = reply.usage.completion_tokens
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew('lookahead_requests_total{endpoint="completions"}') == 1
+    assert grew("lookahead_generated_tokens_total") == made
+    assert grew("lookahead_prompt_tokens_total") == reply.usage.prompt_tokens
+    assert grew("lookahead_time_to_first_token_seconds_count") == 1
+    assert grew("lookahead_inter_token_latency_seconds_count") == made - 1
+    assert grew("lookahead_tokens_per_step_count") == 1 and grew("lookahead_tokens_per_step_sum") >= 1
+    assert after["lookahead_queue_depth"] == 0 and after["lookahead_running"] == 0

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -63,6 +64,31 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str
+
+
+class Metrics:
+    """What `GET /metrics` reports, in Prometheus' text format (a registry per app)."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("lookahead_requests", "Completion requests accepted", ["endpoint"],
+                                registry=self.registry)
+        self.prompt_tokens = Counter("lookahead_prompt_tokens", "Prompt tokens of accepted requests",
+                                     registry=self.registry)
+        self.tokens = Counter("lookahead_generated_tokens", "Tokens generated", registry=self.registry)
+        self.tokens_per_step = Histogram("lookahead_tokens_per_step", "A finished request's tokens per step",
+                                         buckets=(1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0),
+                                         registry=self.registry)
+        self.first_token = Histogram("lookahead_time_to_first_token_seconds", "From a request's arrival to its "
+                                     "first token", buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+                                     registry=self.registry)
+        self.inter_token = Histogram("lookahead_inter_token_latency_seconds", "Time between a request's tokens",
+                                     buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
+                                     registry=self.registry)
+        Gauge("lookahead_queue_depth", "Requests waiting for a slot", registry=self.registry).set_function(
+            lambda: loop.engine.waiting())
+        Gauge("lookahead_running", "Requests decoding", registry=self.registry).set_function(
+            lambda: loop.engine.running())
 
 
 class APIError(Exception):
@@ -175,6 +201,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         runner.stop()
 
     app = FastAPI(title="lookahead", lifespan=lifespan)
+    metrics = Metrics(runner)
     app.state.engine_loop = runner
     app.state.corpora = corpora
 
@@ -211,8 +238,11 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
 
     async def run(request: Request, body: _Common, prompt: torch.Tensor, params: RequestParams, chat: bool):
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        rid, stream = runner.add(prompt, params)
         started = time.time()
+        arrived = time.perf_counter()
+        rid, stream = runner.add(prompt, params)
+        metrics.requests.labels("chat" if chat else "completions").inc()
+        metrics.prompt_tokens.inc(prompt.numel())
         reply = _Reply(tokenizer, stops)
         name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
@@ -221,9 +251,24 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
 
         async def outputs() -> AsyncIterator[str]:
             """The reply's text pieces; ends when the request finishes or a stop string is met."""
+            last = None
             try:
                 while True:
                     output: StepOutput = await stream.queue.get()
+                    now = time.perf_counter()
+                    if output.tokens:
+                        # Tokens of one step arrive together: they share its interval (the first step's
+                        # later tokens came with the first one, at no interval).
+                        gaps = [0.0] * (len(output.tokens) - 1) if last is None else \
+                            [(now - last) / len(output.tokens)] * len(output.tokens)
+                        if last is None:
+                            metrics.first_token.observe(now - arrived)
+                        for gap in gaps:
+                            metrics.inter_token.observe(gap)
+                        last = now
+                        metrics.tokens.inc(len(output.tokens))
+                    if output.stats is not None and output.stats.steps:
+                        metrics.tokens_per_step.observe(output.stats.tokens_per_step)
                     piece = reply.add(output.tokens)
                     if piece:
                         yield piece
@@ -287,6 +332,10 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     async def models(request: Request):
         authorise(request)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "lookahead"}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health():
