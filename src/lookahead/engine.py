@@ -23,7 +23,7 @@ from .core.decoder import LookaheadDecoder, StepPlan
 from .core.drafter import AcceptanceStats, node_counts
 from .core.drafts import Proposer
 from .core.suffix import Corpus
-from .costs import CostCurve, batch_cost_curve, cost_curve
+from .costs import CostCurve, batch_cost_curve
 from .hf import HFModelRunner, check_model, context_length, vocabulary_size
 from .runtime.batch import StepInput, causal_step, pack_steps
 from .sampling import decoding_rule
@@ -143,17 +143,16 @@ class Engine:
         self.model = model
         self.max_batch, self.max_length, self.prefill_chunk = max_batch, max_length, prefill_chunk
         _check_memory(self.runner, max_batch, max_length + STEP_ROOM)
-        # The cost curve sizes budgeted steps; measuring it (once per model shape and machine) also
-        # settles which linear path runs (hf.PackedLinears).
-        self.cost: CostCurve = cost_curve(self.runner)
+        # The cost curves size budgeted steps, one per power-of-two batch size; measuring them (once per model
+        # shape and machine) also settles which linear path runs (hf.PackedLinears). Batch 1's is T(k).
         self._costs = {1 << i: batch_cost_curve(self.runner, 1 << i) for i in range(max_batch.bit_length())}
+        self.cost: CostCurve = self._costs[1]
         self.store = self.runner.new_store(max_batch, max_length + STEP_ROOM)
         self.stats = GenerationStats()  # of every step, all requests together
         # How often each kind of draft is accepted, learnt from every request: a request's guesses are
         # sized from the start by what the model accepted before (greedy outputs and seeded samples do
         # not depend on it).
         self.acceptance = AcceptanceStats()
-
         self._laps = _Laps(self.stats.phase_seconds)
         self._waiting: deque[_Request] = deque()
         self._slots: list[_Request | None] = [None] * max_batch
