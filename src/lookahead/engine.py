@@ -351,12 +351,25 @@ def _check_memory(runner: HFModelRunner, slots: int, capacity: int) -> None:
     if runner.device.type == "cuda":
         free = torch.cuda.mem_get_info(runner.device)[0]
     else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free = _available_memory()
     if needed > free:
         raise MemoryError(
             f"the KV store for max_batch={slots} sequences of up to {capacity} positions needs "
             f"{needed / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on {runner.device}; "
             "lower max_batch or max_length")
+
+
+def _available_memory() -> int:
+    """Bytes the kernel could give us now: Linux's MemAvailable (free memory plus the page cache it can
+    drop), else the free pages alone."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_request(model: PreTrainedModel, input_ids: torch.Tensor | list[int], max_new_tokens: int) -> torch.Tensor:
