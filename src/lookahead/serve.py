@@ -16,11 +16,12 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from importlib import resources
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -31,6 +32,8 @@ from .engine import Engine, RequestParams, StepOutput
 from .prompts import encode_messages, has_chat_template
 
 PLAIN = LookaheadConfig(window=0, guesses=0)
+# The page at `/`: a chat box streaming from /v1/chat/completions, with tokens/s and tokens/step live.
+CHAT_PAGE = (resources.files(__package__) / "web" / "chat.html").read_text(encoding="utf-8")
 
 
 class Message(BaseModel):
@@ -244,6 +247,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         metrics.requests.labels("chat" if chat else "completions").inc()
         metrics.prompt_tokens.inc(prompt.numel())
         reply = _Reply(tokenizer, stops)
+        steps = 0  # decoding steps that gave this request tokens
         name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
         usage = lambda: {"prompt_tokens": prompt.numel(), "completion_tokens": reply.tokens,  # noqa: E731
@@ -251,6 +255,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
 
         async def outputs() -> AsyncIterator[str]:
             """The reply's text pieces; ends when the request finishes or a stop string is met."""
+            nonlocal steps
             last = None
             try:
                 while True:
@@ -266,6 +271,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                         for gap in gaps:
                             metrics.inter_token.observe(gap)
                         last = now
+                        steps += 1
                         metrics.tokens.inc(len(output.tokens))
                     if output.stats is not None and output.stats.steps:
                         metrics.tokens_per_step.observe(output.stats.tokens_per_step)
@@ -293,7 +299,9 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                 async for piece in outputs():
                     if await request.is_disconnected():
                         return
-                    yield f"data: {json.dumps(chunk(piece, None))}\n\n"
+                    event = chunk(piece, None)
+                    event["lookahead"] = {"tokens": reply.tokens, "steps": steps}  # our extension; clients ignore it
+                    yield f"data: {json.dumps(event)}\n\n"
                 yield f"data: {json.dumps(chunk(None, reply.finish_reason))}\n\n"
                 if body.stream_options is not None and body.stream_options.include_usage:
                     last = chunk(None, None)
@@ -327,6 +335,10 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
             raise APIError(400, "prompt must not be empty", "prompt")
         prompt = tokenizer(body.prompt, return_tensors="pt")["input_ids"][0]
         return await run(request, body, prompt, params, chat=False)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        return CHAT_PAGE
 
     @app.get("/v1/models")
     async def models(request: Request):
