@@ -189,3 +189,23 @@ def test_bench_batch_sizes_on_a_tiny_model(tiny_dir, tmp_path):
     assert (tmp_path / "batch.png").stat().st_size > 0 and "| 3 | lookahead |" in (tmp_path / "report.md").read_text()
     bad = run("bench", "--model", tiny_dir, "--batch-size", "0,2")
     assert bad.returncode == 2 and "--batch-size" in bad.stderr
+
+
+def test_bench_serve_loads_a_server_with_lookahead_on_and_off(tiny_dir, tmp_path):
+    result = run("bench", "serve", "--model", tiny_dir, "--clients", "3", "--requests", "5", "--max-new-tokens", "8",
+                 "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    runs = {r["mode"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
+    assert set(runs) == {"off", "auto"}
+    for r in runs.values():
+        assert (r["clients"], r["requests"], r["failed"]) == (3, 5, 0)
+        assert 5 <= r["tokens"] <= 40 and r["seconds"] > 0 and r["tokens_per_second"] > 0
+        assert 0 < r["first_token_p50"] <= r["first_token_p99"] and 0 <= r["inter_token_p50"] <= r["inter_token_p99"]
+    assert runs["off"]["tokens_per_step"] == pytest.approx(1.0)  # one token per step with lookahead off
+    assert runs["auto"]["identical"] == 5  # greedy: every reply as with lookahead off
+    assert (tmp_path / "serve.png").stat().st_size > 0 and "| auto | 3 | 5 | 0 |" in (tmp_path / "report.md").read_text()
+
+
+def test_bench_serve_names_a_server_it_cannot_reach():
+    result = run("bench", "serve", "--url", "http://127.0.0.1:9", "--requests", "1")
+    assert result.returncode == 2 and "--url" in result.stderr and "/v1/models" in result.stderr

@@ -5,9 +5,7 @@ request alone, a client that goes away frees its slot, bad requests get OpenAI-s
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import socket
-import threading
 import time
 
 import json
@@ -15,11 +13,10 @@ import urllib.error
 import urllib.request
 import openai
 import pytest
-import uvicorn
 from conftest import reference_greedy
 
 from lookahead.prompts import encode_messages
-from lookahead.serve import create_app
+from lookahead.serve import create_app, serve_in_thread
 
 pytestmark = pytest.mark.slow
 
@@ -27,29 +24,11 @@ KEYS = ("key-a", "key-b")
 MODEL = "smollm2"
 
 
-@contextlib.contextmanager
-def serving(app):
-    """The app on a free loopback port, in a thread of this process: its URL."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def server(default_model):
     model, tokenizer = default_model
     app = create_app(model, tokenizer, model_name=MODEL, max_batch=4, max_queue=40, max_length=1024, api_keys=KEYS)
-    with serving(app) as url:
+    with serve_in_thread(app) as url:
         yield url, app
 
 
@@ -226,7 +205,7 @@ def test_the_serve_command_starts_on_the_default_model():
 def test_a_full_queue_answers_429_and_the_server_keeps_serving(default_model):
     model, tokenizer = default_model
     app = create_app(model, tokenizer, model_name=MODEL, max_batch=1, max_queue=0, max_length=1024)
-    with serving(app) as url:
+    with serve_in_thread(app) as url:
         messages = [{"role": "user", "content": "Tell a very long story."}]
         busy = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=900, stream=True)
         chunks = iter(busy)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from itertools import product, zip_longest
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
@@ -20,9 +21,8 @@ from .bench.batch import batch_runs, batch_table
 from .bench.corpus import corpus_runs, corpus_table
 from .bench.cost import sweep
 from .bench.report import (
-    write_batch,
-    divergence_table, drafts_line, fit_log_line, profile_line, summary_table, write_benchmark, write_cost,
-    write_sweep,
+    divergence_table, drafts_line, fit_log_line, profile_line, summary_table, write_batch, write_benchmark, write_cost,
+    write_serve, write_sweep,
 )
 from .bench.runner import environment, run_benchmark, standard_methods, summarize
 from .config import AUTO_CONFIG, LookaheadConfig
@@ -384,6 +384,71 @@ def corpus_command(
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     documents = {p.id: p.turns[0].removeprefix("Summarize: ")[:chars] for p in articles}
     print(corpus_table(corpus_runs(lm, tokenizer, documents, max_new_tokens)))
+
+
+@bench_app.command("serve")
+def bench_serve_command(
+    clients: Annotated[int, typer.Option(min=1, help="Concurrent streaming clients.")] = 16,
+    requests: Annotated[Optional[int], typer.Option(min=1, help="Requests per mode (default: 2 per client).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    dataset: Annotated[str, typer.Option(help=f"Prompts: one of {', '.join(BUILTIN)} or a JSONL file (first turns).")] = "mt_bench",
+    time_limit: Annotated[float, typer.Option(min=1, help="Seconds per mode after which no new request starts.")] = 600,
+    url: Annotated[Optional[str], typer.Option(help="A running `lookahead serve` to load (default: start one here on --model).")] = None,
+    served_model: Annotated[Optional[str], typer.Option(help="With --url: the model name it serves (default: asked from /v1/models).")] = None,
+    api_key: Annotated[Optional[str], typer.Option(help="With --url: a key it accepts.")] = None,
+    max_batch: Annotated[Optional[int], typer.Option(min=1, help="Without --url: the server's slots (default: --clients).")] = None,
+    model: ModelOption = None,
+    gguf_file: GgufOption = None,
+    dtype: DtypeOption = "float32",
+    threads: ThreadsOption = None,
+    out: OutOption = None,
+) -> None:
+    """Load a server with concurrent streaming chat clients, lookahead off then on: TTFT, inter-token
+    latency, throughput, failures."""
+    from .bench.serve import load_table, serve_load
+    from .serve import create_app, serve_in_thread
+
+    prompts = [p.turns[0] for p in _workload(dataset, 1, False, None, requests or 2 * clients)]
+    console = Console(stderr=True)
+
+    def measure(base: str, name: str, key: str | None) -> list:
+        with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as progress:
+            task = progress.add_task("modes", total=2, last="")
+            return serve_load(base, name, prompts, clients, max_new_tokens, key, time_limit,
+                              on_run=lambda r: progress.update(task, advance=1, last=f"{r.mode}: "
+                                                               f"{r.tokens_per_second:.1f} tok/s"))
+
+    if url is not None:
+        base = url.rstrip("/")
+        name = served_model or _served_model(base, api_key)
+        runs = measure(base, name, api_key)
+        env = {"server": base, "model": name, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    else:
+        lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
+        name = model or "SmolLM2-135M-Instruct"
+        server_app = create_app(lm, tokenizer, model_name=name, max_batch=max_batch or clients,
+                                max_queue=max(requests or 2 * clients, clients))
+        with serve_in_thread(server_app) as base:
+            runs = measure(base, name, None)
+        env = {**environment(lm), "max_batch": max_batch or clients}
+    env.update(clients=clients, max_new_tokens=max_new_tokens, dataset=dataset)
+    print(load_table(runs))
+    print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
+    if out is not None:
+        for path in write_serve(out, runs, env, "lookahead bench serve " + " ".join(sys.argv[3:])):
+            print(f"wrote {path}")
+
+
+def _served_model(url: str, api_key: str | None) -> str:
+    import json
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=headers), timeout=30) as reply:
+            return json.loads(reply.read())["data"][0]["id"]
+    except OSError as error:
+        raise typer.BadParameter(f"cannot ask {url}/v1/models: {error}", param_hint="--url") from error
 
 
 @app.command("serve")

@@ -8,17 +8,20 @@ the engine commits for it from an asyncio queue. Streaming replies are server-se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 
 import torch
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -354,6 +357,27 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         return {"status": "ok", "running": engine.running(), "waiting": engine.waiting()}
 
     return app
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1") -> Iterator[str]:
+    """Serves `app` with uvicorn on a free port of `host`, on a thread of this process: yields its URL,
+    and stops the server on leaving (for tests and `lookahead bench serve`)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="lookahead-http", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.05)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 class _Reply:

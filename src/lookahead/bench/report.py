@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 from ..costs import CostPoint  # noqa: E402
 from .batch import METHODS, BatchRun, batch_table  # noqa: E402
 from .cost import SweepPoint  # noqa: E402
+from .serve import LoadRun, load_table  # noqa: E402
 from .runner import Run, Summary  # noqa: E402
 
 
@@ -157,6 +158,32 @@ def write_batch(out: Path, runs: list[BatchRun], env: dict, command: str) -> lis
     ax.set_ylabel("tokens/s (all sequences)")
     ax.legend()
     return [*written, _save(fig, ax, out / "batch.png")]
+
+
+def write_serve(out: Path, runs: list[LoadRun], env: dict, command: str) -> list[Path]:
+    results = {"runs": [{**asdict(r), "tokens_per_second": r.tokens_per_second, "tokens_per_step": r.tokens_per_step}
+                        for r in runs]}
+    body = (f"{load_table(runs)}\n\n"
+            "tokens/s: tokens of all replies over the wall time of the mode; TTFT: from sending a request to its "
+            "first token; ITL: time between a reply's tokens, a step's tokens sharing the step's interval; "
+            "same reply as off: greedy replies equal to the same prompt's reply with lookahead off.\n\n"
+            "![load](serve.png)\n")
+    written = _write_results(out, "Server load benchmark", command, env, results, body)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4))
+    modes = [r.mode for r in runs]
+    left.bar(modes, [r.tokens_per_second for r in runs], color=["C0", "C1"][: len(runs)])
+    left.set_ylabel("tokens/s (all clients)")
+    left.set_title(f"{runs[0].clients} streaming clients")
+    left.grid(alpha=0.3)
+    labels = ("TTFT p50", "TTFT p99", "ITL p50 x10", "ITL p99 x10")
+    width = 0.8 / len(runs)
+    for i, r in enumerate(runs):
+        values = (r.first_token_p50, r.first_token_p99, 10 * r.inter_token_p50, 10 * r.inter_token_p99)
+        right.bar(np.arange(len(labels)) + i * width, values, width, label=f"lookahead {r.mode}")
+    right.set_xticks(np.arange(len(labels)) + width * (len(runs) - 1) / 2, labels)
+    right.set_ylabel("seconds")
+    right.legend()
+    return [*written, _save(fig, right, out / "serve.png")]
 
 
 def fit_log_line(points: list[SweepPoint]) -> tuple[float, float]:
