@@ -19,7 +19,7 @@ from .drafts import Draft, Proposer
 from .layout import GuessTree, StepLayout, step_layout
 from .pool import NGramPool, PoolProposer
 from .suffix import Corpus, SuffixProposer
-from .verify import ROOT, ChooseRule, greedy_choice, verify_greedy, walk_tree
+from .verify import ROOT, ChooseRule, Verdict, greedy_choice, verify_greedy, walk_tree
 from .window import LookaheadWindow
 
 # Scores a node's logits given the token ids before it ([1, L], [1, V] -> [1, V]), like a transformers
@@ -127,16 +127,21 @@ class LookaheadDecoder:
     def update(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
         """Verify, commit and learn. logits: [len(plan.layout.logit_rows), vocab], the model's outputs at
         those rows in order."""
-        width = plan.layout.window_rows.numel()
         if self.choose is None and self.transform is None:
-            predictions = logits.argmax(dim=-1)
-            verdict = verify_greedy(plan.tree, int(predictions[0]), predictions[1 + width :])
-            window_outputs = predictions[1 : 1 + width].tolist()
-        else:
-            verdict = walk_tree(plan.tree, lambda node, accepted: self._scores(logits, width, node, accepted),
-                                self.choose or greedy_choice, len(self.sequence))
-            window_outputs = logits[1 : 1 + width].argmax(dim=-1).tolist()  # the window runs greedy Jacobi
-        if width:
+            return self.update_greedy(plan, logits.argmax(dim=-1))
+        width = plan.layout.window_rows.numel()
+        verdict = walk_tree(plan.tree, lambda node, accepted: self._scores(logits, width, node, accepted),
+                            self.choose or greedy_choice, len(self.sequence))
+        return self._commit(plan, verdict, logits[1 : 1 + width].argmax(dim=-1).tolist())  # greedy Jacobi
+
+    def update_greedy(self, plan: StepPlan, predictions: torch.Tensor) -> StepResult:
+        """`update` for greedy decoding from each logit row's argmax token ([len(plan.layout.logit_rows)])."""
+        width = plan.layout.window_rows.numel()
+        verdict = verify_greedy(plan.tree, int(predictions[0]), predictions[1 + width :])
+        return self._commit(plan, verdict, predictions[1 : 1 + width].tolist())
+
+    def _commit(self, plan: StepPlan, verdict: Verdict, window_outputs: list[int]) -> StepResult:
+        if window_outputs:
             for ngram in self.window.advance(window_outputs):
                 self.pool.add(ngram)
         self.stats.record(plan.drafts, verdict.tokens)

@@ -75,3 +75,17 @@ def _shared_rows(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch
     place = torch.full((int(union.max()) + 1,), -1, dtype=torch.long)
     place[union] = torch.arange(union.numel())
     return union, [place[r] for r in rows]
+
+
+def after_tokens(prefix: torch.Tensor, step: StepInput) -> StepInput:
+    """`step` preceded by `prefix`, a causal chain of tokens that every row of the step attends to: the
+    committed tokens whose keys and values this process has not computed yet."""
+    count, size = prefix.numel(), step.tokens.numel()
+    if count == 0:
+        return step
+    allowed = torch.zeros(count + size, count + size, dtype=torch.bool)
+    allowed[:count, :count] = torch.ones(count, count, dtype=torch.bool).tril()
+    allowed[count:, :count] = True
+    allowed[count:, count:] = step.allowed
+    return StepInput(torch.cat([prefix, step.tokens]), torch.cat([torch.arange(count), step.offsets + count]),
+                     allowed, step.logit_rows + count)

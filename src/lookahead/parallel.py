@@ -1,0 +1,165 @@
+"""Lookahead parallelism: one sequence decoded by K processes that each hold the model.
+
+Each step's window columns and guess subtrees are shared out among the processes (`core.split`); each
+runs its share in one forward and the processes exchange only the argmax token of the rows they own
+(one all-reduce of a few hundred integers per step). Every process then verifies and commits the same
+tokens. Where the accepted guess ran on another process, this one has not computed its keys and values:
+it feeds those tokens in front of its next step (recomputing them costs a few rows; exchanging them would
+cost a second collective per step).
+
+Launch: `torchrun --nproc-per-node K -m lookahead generate ...`, `lookahead generate --workers K`
+(`run_workers` below), or call `parallel_generate` on every rank of an initialised process group
+(gloo on CPU, NCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import PreTrainedModel
+
+from .config import LookaheadConfig
+from .core.decoder import LookaheadDecoder
+from .core.split import split_step
+from .engine import GenerationStats, check_request, eos_ids
+from .generation import GenerateOutput
+from .hf import HFModelRunner
+from .runtime.batch import StepInput, after_tokens, causal_step, pack_steps
+
+PREFILL_CHUNK = 512
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+
+
+def parallel_generate(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor | list[int],
+    max_new_tokens: int = 128,
+    config: LookaheadConfig | None = None,
+    eos_token_id: int | Iterable[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> GenerateOutput:
+    """Greedy lookahead decoding of one prompt, its steps shared out among the processes of `group` (None:
+    the default group). Call it on every rank with the same model, prompt and options; every rank returns
+    the same output, token for token transformers' greedy `generate`.
+
+    config: a fixed step (W, N, G); None means `LookaheadConfig()` (W5 N4 G5). A budgeted config is
+    refused: its step sizes follow one device's measured cost curve, which the ranks need not share."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("parallel_generate needs an initialised process group: torch.distributed."
+                           "init_process_group(...), torchrun, or `lookahead generate --workers K`")
+    config = config or LookaheadConfig()
+    if not isinstance(config, LookaheadConfig):
+        raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")
+    if config.budget:
+        raise ValueError("parallel decoding takes a fixed step (LookaheadConfig with budget=False): a budgeted "
+                         "step follows one device's cost curve")
+    prompt = check_request(model, input_ids, max_new_tokens)
+    rank, workers = dist.get_rank(group), dist.get_world_size(group)
+    device = model.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    stops = eos_ids(model, eos_token_id)
+    _check_same_call(group, device, prompt, max_new_tokens, config, sorted(stops))
+
+    start = time.perf_counter()
+    runner = HFModelRunner(model, packed_linear=False)
+    largest_step = 1 + (config.window + config.guesses) * config.levels + config.levels  # + tokens to catch up
+    store = runner.new_store(1, prompt.numel() + max_new_tokens + largest_step)
+    for begin in range(0, prompt.numel() - 1, PREFILL_CHUNK):  # every prompt token but the last
+        chunk = prompt[begin: min(begin + PREFILL_CHUNK, prompt.numel() - 1)]
+        runner.forward(store, pack_steps([0], [begin], [causal_step(chunk)]))
+        store.extend(0, chunk.numel())
+    decoder = LookaheadDecoder(config, prompt.tolist())
+    stats = GenerationStats(window=decoder.window.width)
+    generated: list[int] = []
+    behind: list[int] = []  # committed tokens whose keys and values this rank has not computed
+    while True:
+        plan = decoder.plan()
+        share = split_step(plan.layout, plan.tree.parents, workers)[rank]
+        rows = share.rows
+        step = after_tokens(torch.tensor(behind, dtype=torch.long),
+                            StepInput(plan.tokens[rows], plan.layout.offsets[rows],
+                                      plan.layout.allowed[rows][:, rows], share.logit_rows))
+        logits = runner.forward(store, pack_steps([0], [store.lengths[0]], [step]))[0]
+        predictions = torch.full((plan.layout.logit_rows.numel(),), -1, dtype=torch.long, device=device)
+        predictions[share.owned.to(device)] = logits.argmax(dim=-1).to(device)
+        dist.all_reduce(predictions, op=dist.ReduceOp.MAX, group=group)
+        result = decoder.update_greedy(plan, predictions.cpu())
+        stats.steps += 1
+        stats.tokens_fed += step.tokens.numel()
+        tokens = result.tokens[: max_new_tokens - len(generated)]
+        stop = next((i for i, token in enumerate(tokens) if token in stops), None)
+        tokens = tokens if stop is None else tokens[: stop + 1]
+        generated += tokens
+        stats.accepted_per_step.append(len(tokens))
+        if stop is not None or len(generated) >= max_new_tokens:
+            break
+        # Keep the caught-up tokens, row 0, and the accepted guess where this rank ran it.
+        place = torch.full((plan.layout.size,), -1, dtype=torch.long)
+        place[rows] = torch.arange(rows.numel())
+        local = place[result.kept_rows]
+        if bool((local >= 0).all()):
+            kept, behind = local, []
+        else:
+            kept, behind = local[:1], result.tokens[:-1]
+        caught_up = step.tokens.numel() - rows.numel()
+        store.keep(0, torch.cat([torch.arange(caught_up), kept + caught_up]))
+    stats.new_tokens = len(generated)
+    stats.seconds = time.perf_counter() - start
+    stats.forward_seconds = runner.forward_seconds
+    stats.accepted_by_source = dict(decoder.accepted_by_source)
+    sequences = torch.cat([prompt, torch.tensor(generated, dtype=torch.long)]).view(1, -1)
+    return GenerateOutput(sequences, stats)
+
+
+def _check_same_call(group, device: torch.device, *arguments) -> None:
+    """Raise on every rank if the ranks were not given the same prompt and options (they would decode
+    different steps and wait on each other)."""
+    digest = hashlib.blake2b(repr([a.tolist() if isinstance(a, torch.Tensor) else a for a in arguments]).encode(),
+                             digest_size=7).digest()
+    mine = torch.tensor([int.from_bytes(digest, "big")], dtype=torch.long, device=device)
+    lowest, highest = mine.clone(), mine.clone()
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    if int(lowest) != int(highest):
+        raise ValueError("the ranks were given different prompts or options; parallel_generate needs the same "
+                         "call on every rank")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_workers(workers: int, target: Callable[..., object], *args, threads: int | None = None,
+                timeout: timedelta = DEFAULT_TIMEOUT) -> object:
+    """Runs `target(*args)` in `workers` local processes joined in a gloo process group (each with
+    `threads` torch threads; default: the cores shared out); returns rank 0's result. If a process fails,
+    the others are stopped and the failure is raised here."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    threads = threads or max(1, (os.cpu_count() or 1) // workers)
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    mp.start_processes(_worker, (workers, free_port(), threads, timeout, results, target, args), nprocs=workers,
+                       join=True, start_method="spawn")
+    return results.get()
+
+
+def _worker(rank: int, workers: int, port: int, threads: int, timeout: timedelta, results, target, args) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=workers,
+                            timeout=timeout)
+    try:
+        result = target(*args)
+        if rank == 0:
+            results.put(result)
+    finally:
+        dist.destroy_process_group()
