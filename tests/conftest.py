@@ -111,6 +111,19 @@ def _models_loaded_once():
 
 
 @pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama saved with the default model's tokenizer, so the CLI can load it by path."""
+    _, tokenizer = _load_once(None, None, "float32")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id)
+    folder = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
 def default_model():
     return _load_once(None, None, "float32")
 

@@ -10,24 +10,9 @@ import pytest
 import torch
 from conftest import reference_greedy
 from conftest import run_cli as run
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from lookahead.bench.report import divergence_table
 from lookahead.bench.runner import Run, TieMeter
-from lookahead.models import load_model
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny random Llama saved with the default model's tokenizer, so the CLI can load it by path."""
-    _, tokenizer = load_model()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id)
-    folder = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def check_results(folder, methods: set[str], prompts: int, turns: int = 1) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from itertools import product, zip_longest
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, NoReturn, Optional
 
 import torch
+import torch.distributed as dist
 import typer
 from rich.console import Console
 from rich.progress import Progress, TextColumn
@@ -22,7 +24,7 @@ from .bench.corpus import corpus_runs, corpus_table
 from .bench.cost import sweep
 from .bench.report import (
     divergence_table, drafts_line, fit_log_line, profile_line, summary_table, write_batch, write_benchmark, write_cost,
-    write_serve, write_sweep,
+    write_parallel, write_serve, write_sweep,
 )
 from .bench.runner import environment, run_benchmark, standard_methods, summarize
 from .config import AUTO_CONFIG, LookaheadConfig
@@ -31,6 +33,7 @@ from .engine import check_request
 from .generation import generate
 from .hf import HFModelRunner
 from .models import DTYPES, ModelLoadError, load_model
+from .parallel import DEFAULT_TIMEOUT, WorkerError, parallel_generate, run_workers
 from .prompts import encode_prompt
 from .workloads import BUILTIN, load_workload
 
@@ -105,22 +108,46 @@ def generate_command(
     top_p: TopPOption = None,
     repetition_penalty: Annotated[Optional[float], typer.Option(help="> 0; 1 is none.")] = None,
     seed: SeedOption = 0,
+    workers: Annotated[int, typer.Option(min=1, help="Processes that share each step (lookahead parallelism, gloo; greedy, a fixed W,N,G).")] = 1,
+    threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads per process (default: torch's choice; with --workers, the cores shared out).")] = None,
 ) -> None:
     """Generate text with lookahead decoding, streaming it to the terminal.
 
     Without --window/--ngram/--guesses/--suffix the automatic config is used (every draft source, each
     step sized to the measured forward cost); any of them given overrides LookaheadConfig's defaults
-    (W=5, N=4, G=5, no suffix source, no budget)."""
+    (W=5, N=4, G=5, no suffix source, no budget). With --workers K (or under torchrun) K processes share
+    each step; their config is fixed (W=5, N=4, G=5 unless given)."""
     config = _config(window, ngram, guesses, suffix)
     if not prompt:
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty)
-    lm, tokenizer = _load_model(model, gguf_file, dtype, None)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes
+    if workers > 1 or launched > 1:
+        if workers > 1 and launched > 1:
+            raise typer.BadParameter("torchrun started the processes already; drop --workers", param_hint="--workers")
+        if sampling.get("do_sample"):
+            raise typer.BadParameter("parallel decoding is greedy: use --temperature 0", param_hint="--temperature")
+        if compare:
+            raise typer.BadParameter("--compare runs in one process; drop --workers", param_hint="--compare")
+    lm, tokenizer = _load_model(model, gguf_file, dtype, threads if workers == 1 else None)
     input_ids = encode_prompt(tokenizer, prompt, raw=raw)
     try:
         check_request(lm, input_ids, max_new_tokens)
     except ValueError as error:
         _fail(str(error))
+    if workers > 1 or launched > 1:
+        out = _parallel(workers, launched, (model, gguf_file, dtype, input_ids, max_new_tokens, config), lm, threads)
+        if out is None:  # a torchrun rank other than 0: rank 0 reports
+            return
+        text = tokenizer.decode(out.sequences[0, input_ids.shape[1]:], skip_special_tokens=True)
+        stats = out.stats
+        if as_json:
+            print(json.dumps({"text": text, "workers": max(workers, launched), **stats.as_dict()}))
+        else:
+            print(text)
+            print(f"[{stats.new_tokens} new tokens, {stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step, "
+                  f"{stats.tokens_per_second:.1f} tokens/s, {max(workers, launched)} processes]")
+        return
 
     def ours(tokens: int, streamer=None):
         generator = torch.Generator().manual_seed(seed)
@@ -183,6 +210,32 @@ def _parse_config(text: str) -> LookaheadConfig:
         return LookaheadConfig(window=window, ngram=ngram, guesses=guesses)
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="--config") from error
+
+
+def _parallel(workers: int, launched: int, request: tuple, lm, threads: int | None):
+    """Lookahead parallelism for `generate`: `workers` local processes, or this rank of torchrun's
+    `launched` ones (None on ranks other than 0)."""
+    if launched > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if lm.device.type == "cuda" else "gloo", timeout=DEFAULT_TIMEOUT)
+        try:
+            out = parallel_generate(lm, request[3], request[4], request[5] or LookaheadConfig())
+        finally:
+            dist.destroy_process_group()
+        return out if int(os.environ.get("RANK", "0")) == 0 else None
+    del lm  # each worker loads its own copy
+    try:
+        return run_workers(workers, _parallel_worker, *request, threads=threads)
+    except WorkerError as error:
+        _fail(str(error))
+
+
+def _parallel_worker(model: str | None, gguf_file: str | None, dtype: str, input_ids, max_new_tokens: int,
+                     config: LookaheadConfig | None):
+    """One process of `generate --workers`: its own copy of the model, its share of every step."""
+    hf_logging.disable_progress_bar()
+    lm, _ = load_model(model, gguf_file=gguf_file, dtype=dtype)
+    return parallel_generate(lm, input_ids, max_new_tokens, config or LookaheadConfig())
 
 
 def _load_model(model: str | None, gguf_file: str | None, dtype: str, threads: int | None):
@@ -449,6 +502,68 @@ def _served_model(url: str, api_key: str | None) -> str:
             return json.loads(reply.read())["data"][0]["id"]
     except OSError as error:
         raise typer.BadParameter(f"cannot ask {url}/v1/models: {error}", param_hint="--url") from error
+
+
+@bench_app.command("parallel")
+def bench_parallel_command(
+    workers: Annotated[str, typer.Option(help="Comma list of worker counts (1 first: the others are compared with it).")] = "1,2",
+    threads: Annotated[int, typer.Option(min=1, help="torch threads per worker.")] = 1,
+    window: Annotated[int, typer.Option(min=0)] = 15,
+    ngram: Annotated[int, typer.Option(min=2)] = 5,
+    guesses: Annotated[int, typer.Option(min=0)] = 15,
+    dataset: Annotated[str, typer.Option(help=f"One of {', '.join(BUILTIN)}, or a JSONL file.")] = "humaneval",
+    raw: Annotated[bool, typer.Option("--raw/--chat", help="No chat template (HumanEval: raw code completion).")] = True,
+    limit: Annotated[int, typer.Option(min=1)] = 4,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    max_devices: Annotated[int, typer.Option(min=1, help="Predict the speedup for 1..this many devices.")] = 8,
+    cost_file: Annotated[Optional[Path], typer.Option(help="cost.json of `lookahead bench cost --out` (e.g. measured on a GPU) for the prediction; default: T(k) measured here at --threads.")] = None,
+    model: ModelOption = None,
+    gguf_file: GgufOption = None,
+    dtype: DtypeOption = "float32",
+    out: OutOption = None,
+) -> None:
+    """1..K worker processes sharing each step (gloo, --threads each) at one fixed W,N,G: tokens/s, steps/s,
+    identical outputs; and the speedup a cost model predicts for K devices from T(k)."""
+    from .bench.parallel import curve_from_points, parallel_runs, parallel_table, predicted_speedups, prediction_table
+
+    counts = _int_list(workers, "--workers")
+    if not counts or min(counts) < 1 or counts[0] != 1:
+        raise typer.BadParameter(f"expected worker counts >= 1 starting with 1, got {workers!r}", param_hint="--workers")
+    try:
+        config = LookaheadConfig(window=window, ngram=ngram, guesses=guesses)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from error
+    if cost_file is not None and not cost_file.is_file():
+        raise typer.BadParameter(f"no such file: {cost_file}", param_hint="--cost-file")
+    prompts = _workload(dataset, 1, raw, None, limit)
+    lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
+    inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw)[0].tolist() for p in prompts]
+    console = Console(stderr=True)
+    with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as progress:
+        task = progress.add_task("worker counts", total=len(counts), last="")
+        runs = parallel_runs(model, gguf_file, dtype, inputs, counts, threads, max_new_tokens, config,
+                             on_run=lambda r: progress.update(task, advance=1, last=f"{r.workers} workers: "
+                                                              f"{r.tokens_per_second:.1f} tok/s"))
+    if cost_file is not None:
+        try:
+            curve = curve_from_points(json.loads(cost_file.read_text())["points"])
+        except (ValueError, KeyError) as error:
+            raise typer.BadParameter(f"not a cost.json of `lookahead bench cost`: {error}", param_hint="--cost-file") from error
+        source = str(cost_file)
+    else:
+        points = forward_cost(HFModelRunner(lm, packed_linear=False), context=256,
+                              sizes=(1, 2, 4, 8, 16, 32, 64, 128, 192), repeats=3)
+        curve = curve_from_points([{"tokens": p.tokens, "seconds": p.seconds} for p in points])
+        source = f"measured here, {threads} thread(s)"
+    predictions = predicted_speedups(curve, runs[0].rows_per_step, config, max_devices)
+    env = {**environment(lm), "config": config.label, "dataset": dataset, "prompts": len(inputs), "cost curve": source}
+    print(parallel_table(runs))
+    print()
+    print(prediction_table(predictions, runs))
+    print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
+    if out is not None:
+        for path in write_parallel(out, runs, predictions, env, "lookahead bench parallel " + " ".join(sys.argv[3:])):
+            print(f"wrote {path}")
 
 
 @app.command("serve")

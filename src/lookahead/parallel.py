@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -138,19 +139,29 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+class WorkerError(RuntimeError):
+    """A process of `run_workers` failed (the others were stopped)."""
+
+
 def run_workers(workers: int, target: Callable[..., object], *args, threads: int | None = None,
                 timeout: timedelta = DEFAULT_TIMEOUT) -> object:
     """Runs `target(*args)` in `workers` local processes joined in a gloo process group (each with
-    `threads` torch threads; default: the cores shared out); returns rank 0's result. If a process fails,
-    the others are stopped and the failure is raised here."""
+    `threads` torch threads; default: the cores shared out) and returns rank 0's result. `target` must be
+    importable by name (a module-level function). If a process fails, the others are stopped at once and
+    WorkerError says which one and why; a collective waits at most `timeout` for a process that hangs."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    mp.start_processes(_worker, (workers, free_port(), threads, timeout, results, target, args), nprocs=workers,
-                       join=True, start_method="spawn")
-    return results.get()
+    results = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.start_processes(_worker, (workers, free_port(), threads, timeout, results, target, args), nprocs=workers,
+                           join=True, start_method="spawn")
+    except mp.ProcessRaisedException as error:
+        last = [line for line in str(error).strip().splitlines() if line.strip()][-1]
+        raise WorkerError(f"worker {error.error_index} of {workers} failed: {last}") from None
+    except mp.ProcessExitedException as error:
+        raise WorkerError(f"worker {error.error_index} of {workers} exited with code {error.exit_code}") from None
+    return pickle.loads(results.get())
 
 
 def _worker(rank: int, workers: int, port: int, threads: int, timeout: timedelta, results, target, args) -> None:
@@ -159,7 +170,7 @@ def _worker(rank: int, workers: int, port: int, threads: int, timeout: timedelta
                             timeout=timeout)
     try:
         result = target(*args)
-        if rank == 0:
-            results.put(result)
+        if rank == 0:  # plain pickle: tensors travel by value, not as shared memory that dies with the process
+            results.put(pickle.dumps(result))
     finally:
         dist.destroy_process_group()

@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 from ..costs import CostPoint  # noqa: E402
 from .batch import METHODS, BatchRun, batch_table  # noqa: E402
 from .cost import SweepPoint  # noqa: E402
+from .parallel import ParallelRun, parallel_table, prediction_table  # noqa: E402
 from .serve import LoadRun, load_table  # noqa: E402
 from .runner import Run, Summary  # noqa: E402
 
@@ -184,6 +185,27 @@ def write_serve(out: Path, runs: list[LoadRun], env: dict, command: str) -> list
     right.set_ylabel("seconds")
     right.legend()
     return [*written, _save(fig, right, out / "serve.png")]
+
+
+def write_parallel(out: Path, runs: list[ParallelRun], predictions: list[tuple[int, float, float]], env: dict,
+                   command: str) -> list[Path]:
+    results = {"runs": [{**asdict(r), "tokens_per_second": r.tokens_per_second, "steps_per_second": r.steps_per_second,
+                         "tokens_per_step": r.tokens_per_step} for r in runs],
+               "predictions": [{"devices": k, "rows_per_device": rows, "speedup": speedup}
+                               for k, rows, speedup in predictions]}
+    body = (f"{parallel_table(runs)}\n\n## Cost model\n\n{prediction_table(predictions, runs)}\n\n"
+            "Predicted speedup: T(rows of the whole step) / T(rows of the busiest device), from the cost curve "
+            "named above; the tokens committed per step do not change with the number of devices.\n\n"
+            "![speedup](parallel.png)\n")
+    written = _write_results(out, "Lookahead parallelism benchmark", command, env, results, body)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([k for k, _, _ in predictions], [s for _, _, s in predictions], marker="o", label="predicted")
+    base = runs[0].tokens_per_second
+    ax.plot([r.workers for r in runs], [r.tokens_per_second / base for r in runs], marker="s", label="measured")
+    ax.set_xlabel("workers (devices)")
+    ax.set_ylabel("speedup over one worker")
+    ax.legend()
+    return [*written, _save(fig, ax, out / "parallel.png")]
 
 
 def fit_log_line(points: list[SweepPoint]) -> tuple[float, float]:

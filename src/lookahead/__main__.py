@@ -1,0 +1,5 @@
+"""`python -m lookahead ...` (what `torchrun ... -m lookahead generate` runs on every rank)."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,152 @@
+"""Lookahead parallelism: the split of a step among workers (properties), and real gloo process groups on
+tiny models, the default model and through the CLI and torchrun, each compared with transformers' greedy
+`generate`; failures and bad launches end with a clear error, not a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FAMILIES, make_tiny_model, reference_greedy
+from conftest import run_cli as run
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lookahead import LookaheadConfig
+from lookahead.core.layout import build_guess_tree, step_layout
+from lookahead.core.split import split_step
+from lookahead.parallel import WorkerError, parallel_generate, run_workers
+from lookahead.prompts import encode_prompt
+
+PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6, 7, 8, 11]
+CONFIGS = [(5, 4, 5), (7, 5, 7), (3, 2, 3), (0, 3, 4), (4, 3, 0), (15, 5, 15)]
+
+
+@given(levels=st.integers(0, 5), width=st.integers(1, 9), workers=st.integers(1, 5),
+       guesses=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=5), max_size=12))
+def test_a_split_runs_every_row_its_rows_attend_to_and_owns_each_logit_row_once(levels, width, workers, guesses):
+    tree = build_guess_tree(guesses)
+    layout = step_layout(levels, width if levels else 0, tree)
+    shares = split_step(layout, tree.parents, workers)
+    assert len(shares) == workers
+    owned = torch.cat([share.owned for share in shares]).sort().values
+    assert torch.equal(owned, torch.arange(layout.logit_rows.numel()))  # each logit row exactly once
+    for share in shares:
+        runs = torch.zeros(layout.size, dtype=torch.bool)
+        runs[share.rows] = True
+        assert bool(runs[0]) and torch.equal(share.rows, share.rows.sort().values)
+        # Closed under attention: whatever a row attends to inside the step runs on the same worker.
+        assert not bool((layout.allowed[share.rows] & ~runs).any())
+        assert torch.equal(share.rows[share.logit_rows], layout.logit_rows[share.owned])
+    if workers == 1:
+        assert torch.equal(shares[0].rows, torch.arange(layout.size))
+
+
+def test_a_wide_step_is_shared_out_evenly():
+    tree = build_guess_tree([[t, t + 1, t + 2, t + 3] for t in range(15)])  # 15 subtrees of 4 nodes
+    layout = step_layout(4, 15, tree)  # W15 N5 G15: 1 + 60 + 60 rows
+    sizes = [share.rows.numel() for share in split_step(layout, tree.parents, 2)]
+    assert sum(sizes) < layout.size + 16 and max(sizes) <= 0.6 * layout.size, sizes
+
+
+def _decode_tiny(cases: list[tuple[str, tuple[int, int, int]]]) -> list[list[int]]:
+    """One process's part of decoding every case (a tiny family, a W,N,G), in a process group."""
+    return [parallel_generate(make_tiny_model(family), PROMPT, 40, LookaheadConfig(*config),
+                              eos_token_id=[]).sequences[0].tolist() for family, config in cases]
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_give_greedy_generate_token_for_token_on_tiny_models(workers):
+    cases = [(family, config) for family in FAMILIES for config in CONFIGS[:3]] + [("llama", c) for c in CONFIGS[3:]]
+    outputs = run_workers(workers, _decode_tiny, cases, threads=1)
+    for (family, config), output in zip(cases, outputs):
+        expected = reference_greedy(make_tiny_model(family), torch.tensor([PROMPT]), 40, eos_token_id=[])
+        assert output == expected[0].tolist(), (family, config)
+
+
+def _fail_on_rank_one(how: str) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        if how == "raise":
+            raise ValueError("rank one gives up")
+        os._exit(3)
+    parallel_generate(make_tiny_model("llama"), PROMPT, 400, LookaheadConfig(), eos_token_id=[])
+
+
+@pytest.mark.parametrize("how, words", [("raise", "worker 1 of 2 failed: ValueError: rank one gives up"),
+                                        ("exit", "worker 1 of 2 exited with code 3")])
+def test_a_worker_that_dies_ends_the_run_with_a_clear_error_within_seconds(how, words):
+    start = time.perf_counter()
+    with pytest.raises(WorkerError, match=words.replace("(", r"\(")):
+        run_workers(2, _fail_on_rank_one, how, threads=1)
+    assert time.perf_counter() - start < 45  # not the process group's 60 s timeout, let alone a hang
+
+
+def _misuse(case: str) -> None:
+    import torch.distributed as dist
+
+    model = make_tiny_model("llama")
+    if case == "budget":
+        parallel_generate(model, PROMPT, 8, LookaheadConfig(budget=True))
+    if case == "prompts":
+        parallel_generate(model, PROMPT[: 5 + dist.get_rank()], 8)
+
+
+@pytest.mark.parametrize("case, words", [("budget", "fixed step"), ("prompts", "different prompts")])
+def test_misuse_is_refused_on_every_rank(case, words):
+    with pytest.raises(WorkerError, match=words):
+        run_workers(2, _misuse, case, threads=1)
+
+
+def test_without_a_process_group_parallel_generate_says_how_to_start_one():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        parallel_generate(make_tiny_model("llama"), PROMPT, 8)
+    with pytest.raises(ValueError, match="workers must be an integer >= 1"):
+        run_workers(0, _misuse, "budget")
+
+
+@pytest.mark.parametrize("args, option", [(["--workers", "0"], "--workers"),
+                                          (["--workers", "2", "--temperature", "0.7"], "--temperature"),
+                                          (["--workers", "2", "--compare"], "--compare")])
+def test_bad_parallel_options_are_refused_before_loading_anything(args, option):
+    result = run("generate", "hello", *args)
+    assert result.returncode == 2 and option in result.stderr
+
+
+def _greedy_reference(default_model, text: str, tokens: int) -> str:
+    model, tokenizer = default_model
+    ids = encode_prompt(tokenizer, text)
+    return tokenizer.decode(reference_greedy(model, ids, tokens)[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_two_workers_on_the_default_model_equal_greedy_generate(default_model):
+    question = "Write a Python function that reverses a string, with a docstring."
+    result = run("generate", question, "--workers", "2", "--threads", "1", "--window", "9", "--ngram", "5",
+                 "--guesses", "9", "--max-new-tokens", "64", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["workers"] == 2 and report["new_tokens"] == 64 and report["tokens_per_step"] > 1.0
+    assert report["text"] == _greedy_reference(default_model, question, 64)
+
+
+@pytest.mark.slow
+def test_torchrun_launches_the_same_decoding(tiny_dir):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "lookahead", "generate", "One two three",
+               "--model", tiny_dir, "--raw", "--window", "4", "--guesses", "4", "--max-new-tokens", "24", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1 and reports[0]["workers"] == 2  # rank 0 reports, once
+    alone = run("generate", "One two three", "--model", tiny_dir, "--raw", "--window", "4", "--guesses", "4",
+                "--max-new-tokens", "24", "--json")
+    assert reports[0]["text"] == json.loads(alone.stdout)["text"] and reports[0]["steps"] == json.loads(alone.stdout)["steps"]
