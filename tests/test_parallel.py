@@ -19,7 +19,7 @@ from conftest import run_cli as run
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lookahead import LookaheadConfig
+from lookahead import LookaheadConfig, generate
 from lookahead.core.layout import build_guess_tree, step_layout
 from lookahead.core.split import split_step
 from lookahead.parallel import WorkerError, parallel_generate, run_workers
@@ -71,6 +71,26 @@ def test_workers_give_greedy_generate_token_for_token_on_tiny_models(workers):
         assert output == expected[0].tolist(), (family, config)
 
 
+def _sample_tiny(seeds: list[int]) -> list[list[int]]:
+    model = make_tiny_model("llama")
+    return [parallel_generate(model, PROMPT, 40, LookaheadConfig(7, 4, 7), eos_token_id=[], do_sample=True,
+                              temperature=0.8, top_k=20, repetition_penalty=1.2, seed=seed).sequences[0].tolist()
+            for seed in seeds]
+
+
+def test_sampling_across_workers_draws_what_one_process_draws():
+    """The token of every position is the sample keyed by (seed, position), whichever process picked it:
+    two workers draw, token for token, what `generate` draws alone with the same seed."""
+    seeds = [0, 1, 2, 3]
+    outputs = run_workers(2, _sample_tiny, seeds, threads=1)
+    model = make_tiny_model("llama")
+    alone = [generate(model, PROMPT, max_new_tokens=40, config=LookaheadConfig(7, 4, 7), eos_token_id=[], do_sample=True, temperature=0.8,
+                      top_k=20, repetition_penalty=1.2, generator=torch.Generator().manual_seed(seed)
+                      ).sequences[0].tolist() for seed in seeds]
+    assert outputs == alone
+    assert len({tuple(o) for o in outputs}) == len(seeds)  # the seeds draw different texts
+
+
 def _fail_on_rank_one(how: str) -> None:
     import torch.distributed as dist
 
@@ -114,7 +134,7 @@ def test_without_a_process_group_parallel_generate_says_how_to_start_one():
 
 
 @pytest.mark.parametrize("args, option", [(["--workers", "0"], "--workers"),
-                                          (["--workers", "2", "--temperature", "0.7"], "--temperature"),
+                                          (["--workers", "2", "--temperature", "-1"], "--temperature"),
                                           (["--workers", "2", "--compare"], "--compare")])
 def test_bad_parallel_options_are_refused_before_loading_anything(args, option):
     result = run("generate", "hello", *args)
@@ -150,3 +170,32 @@ def test_torchrun_launches_the_same_decoding(tiny_dir):
     alone = run("generate", "One two three", "--model", tiny_dir, "--raw", "--window", "4", "--guesses", "4",
                 "--max-new-tokens", "24", "--json")
     assert reports[0]["text"] == json.loads(alone.stdout)["text"] and reports[0]["steps"] == json.loads(alone.stdout)["steps"]
+
+
+@pytest.mark.slow
+def test_bench_parallel_compares_worker_counts_and_predicts_devices(tiny_dir, tmp_path):
+    cost = tmp_path / "cost.json"  # a cost curve from elsewhere (a GPU, say): T(k) flat up to 64 rows
+    cost.write_text(json.dumps({"points": [{"tokens": k, "seconds": 0.01 * max(1.0, k / 64)} for k in (1, 64, 128)]}))
+    result = run("bench", "parallel", "--model", tiny_dir, "--workers", "1,2", "--window", "4", "--ngram", "3",
+                 "--guesses", "4", "--limit", "2", "--max-new-tokens", "12", "--max-devices", "4",
+                 "--cost-file", str(cost), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    one, two = results["runs"]
+    assert (one["workers"], two["workers"]) == (1, 2) and two["identical"] is True
+    assert one["steps"] == two["steps"] and one["new_tokens"] == two["new_tokens"] <= 24
+    assert two["rows_per_step"] < one["rows_per_step"]  # each worker runs a share of the step
+    speedups = [p["speedup"] for p in results["predictions"]]
+    assert [p["devices"] for p in results["predictions"]] == [1, 2, 3, 4] and speedups == [1.0] * 4  # flat T(k)
+    assert (tmp_path / "out" / "parallel.png").stat().st_size > 0
+    bad = run("bench", "parallel", "--model", tiny_dir, "--workers", "2,4")
+    assert bad.returncode == 2 and "starting with 1" in bad.stderr
+
+
+@pytest.mark.slow
+def test_generate_workers_samples_what_one_process_samples(tiny_dir):
+    args = ["generate", "One two three", "--model", tiny_dir, "--raw", "--window", "4", "--guesses", "4",
+            "--max-new-tokens", "24", "--temperature", "0.9", "--top-p", "0.9", "--seed", "5", "--json"]
+    parallel, alone = run(*args, "--workers", "2", "--threads", "1"), run(*args)
+    assert parallel.returncode == 0 and alone.returncode == 0, parallel.stderr + alone.stderr
+    assert json.loads(parallel.stdout)["text"] == json.loads(alone.stdout)["text"]

@@ -108,7 +108,7 @@ def generate_command(
     top_p: TopPOption = None,
     repetition_penalty: Annotated[Optional[float], typer.Option(help="> 0; 1 is none.")] = None,
     seed: SeedOption = 0,
-    workers: Annotated[int, typer.Option(min=1, help="Processes that share each step (lookahead parallelism, gloo; greedy, a fixed W,N,G).")] = 1,
+    workers: Annotated[int, typer.Option(min=1, help="Processes that share each step (lookahead parallelism over gloo; a fixed W,N,G).")] = 1,
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads per process (default: torch's choice; with --workers, the cores shared out).")] = None,
 ) -> None:
     """Generate text with lookahead decoding, streaming it to the terminal.
@@ -125,8 +125,6 @@ def generate_command(
     if workers > 1 or launched > 1:
         if workers > 1 and launched > 1:
             raise typer.BadParameter("torchrun started the processes already; drop --workers", param_hint="--workers")
-        if sampling.get("do_sample"):
-            raise typer.BadParameter("parallel decoding is greedy: use --temperature 0", param_hint="--temperature")
         if compare:
             raise typer.BadParameter("--compare runs in one process; drop --workers", param_hint="--compare")
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads if workers == 1 else None)
@@ -136,7 +134,9 @@ def generate_command(
     except ValueError as error:
         _fail(str(error))
     if workers > 1 or launched > 1:
-        out = _parallel(workers, launched, (model, gguf_file, dtype, input_ids, max_new_tokens, config), lm, threads)
+        options = {**sampling, "seed": seed}
+        out = _parallel(workers, launched, (model, gguf_file, dtype, input_ids, max_new_tokens, config, options), lm,
+                        threads)
         if out is None:  # a torchrun rank other than 0: rank 0 reports
             return
         text = tokenizer.decode(out.sequences[0, input_ids.shape[1]:], skip_special_tokens=True)
@@ -219,7 +219,7 @@ def _parallel(workers: int, launched: int, request: tuple, lm, threads: int | No
         if not dist.is_initialized():
             dist.init_process_group("nccl" if lm.device.type == "cuda" else "gloo", timeout=DEFAULT_TIMEOUT)
         try:
-            out = parallel_generate(lm, request[3], request[4], request[5] or LookaheadConfig())
+            out = parallel_generate(lm, request[3], request[4], request[5] or LookaheadConfig(), **request[6])
         finally:
             dist.destroy_process_group()
         return out if int(os.environ.get("RANK", "0")) == 0 else None
@@ -231,11 +231,11 @@ def _parallel(workers: int, launched: int, request: tuple, lm, threads: int | No
 
 
 def _parallel_worker(model: str | None, gguf_file: str | None, dtype: str, input_ids, max_new_tokens: int,
-                     config: LookaheadConfig | None):
+                     config: LookaheadConfig | None, options: dict):
     """One process of `generate --workers`: its own copy of the model, its share of every step."""
     hf_logging.disable_progress_bar()
     lm, _ = load_model(model, gguf_file=gguf_file, dtype=dtype)
-    return parallel_generate(lm, input_ids, max_new_tokens, config or LookaheadConfig())
+    return parallel_generate(lm, input_ids, max_new_tokens, config or LookaheadConfig(), **options)
 
 
 def _load_model(model: str | None, gguf_file: str | None, dtype: str, threads: int | None):

@@ -1,8 +1,8 @@
 """Lookahead parallelism: one sequence decoded by K processes that each hold the model.
 
 Each step's window columns and guess subtrees are shared out among the processes (`core.split`); each
-runs its share in one forward and the processes exchange only the argmax token of the rows they own
-(one all-reduce of a few hundred integers per step). Every process then verifies and commits the same
+runs its share in one forward and the processes exchange only the token each row they own leads to
+(the argmax, or the sample keyed by its position: one all-reduce of a few hundred integers per step). Every process then verifies and commits the same
 tokens. Where the accepted guess ran on another process, this one has not computed its keys and values:
 it feeds those tokens in front of its next step (recomputing them costs a few rows; exchanging them would
 cost a second collective per step).
@@ -34,6 +34,7 @@ from .engine import GenerationStats, check_request, eos_ids
 from .generation import GenerateOutput
 from .hf import HFModelRunner
 from .runtime.batch import StepInput, after_tokens, causal_step, pack_steps
+from .sampling import decoding_rule
 
 PREFILL_CHUNK = 512
 DEFAULT_TIMEOUT = timedelta(seconds=60)
@@ -46,10 +47,18 @@ def parallel_generate(
     config: LookaheadConfig | None = None,
     eos_token_id: int | Iterable[int] | None = None,
     group: dist.ProcessGroup | None = None,
+    do_sample: bool = False,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    seed: int = 0,
 ) -> GenerateOutput:
-    """Greedy lookahead decoding of one prompt, its steps shared out among the processes of `group` (None:
-    the default group). Call it on every rank with the same model, prompt and options; every rank returns
-    the same output, token for token transformers' greedy `generate`.
+    """Lookahead decoding of one prompt, its steps shared out among the processes of `group` (None: the
+    default group). Call it on every rank with the same model, prompt and options; every rank returns the
+    same output: greedy, token for token transformers' greedy `generate`; sampled (options as in
+    `generate`), token for token what `generate(..., generator=torch.Generator().manual_seed(seed))` draws
+    in one process.
 
     config: a fixed step (W, N, G); None means `LookaheadConfig()` (W5 N4 G5). A budgeted config is
     refused: its step sizes follow one device's measured cost curve, which the ranks need not share."""
@@ -66,7 +75,10 @@ def parallel_generate(
     rank, workers = dist.get_rank(group), dist.get_world_size(group)
     device = model.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     stops = eos_ids(model, eos_token_id)
-    _check_same_call(group, device, prompt, max_new_tokens, config, sorted(stops))
+    rule = decoding_rule(model, do_sample, temperature, top_k, top_p, repetition_penalty, None,
+                         torch.Generator().manual_seed(seed))
+    _check_same_call(group, device, prompt, max_new_tokens, config, sorted(stops),
+                     [do_sample, temperature, top_k, top_p, repetition_penalty, seed])
 
     start = time.perf_counter()
     runner = HFModelRunner(model, packed_linear=False)
@@ -76,7 +88,7 @@ def parallel_generate(
         chunk = prompt[begin: min(begin + PREFILL_CHUNK, prompt.numel() - 1)]
         runner.forward(store, pack_steps([0], [begin], [causal_step(chunk)]))
         store.extend(0, chunk.numel())
-    decoder = LookaheadDecoder(config, prompt.tolist())
+    decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform)
     stats = GenerationStats(window=decoder.window.width)
     generated: list[int] = []
     behind: list[int] = []  # committed tokens whose keys and values this rank has not computed
@@ -88,10 +100,10 @@ def parallel_generate(
                             StepInput(plan.tokens[rows], plan.layout.offsets[rows],
                                       plan.layout.allowed[rows][:, rows], share.logit_rows))
         logits = runner.forward(store, pack_steps([0], [store.lengths[0]], [step]))[0]
-        predictions = torch.full((plan.layout.logit_rows.numel(),), -1, dtype=torch.long, device=device)
-        predictions[share.owned.to(device)] = logits.argmax(dim=-1).to(device)
-        dist.all_reduce(predictions, op=dist.ReduceOp.MAX, group=group)
-        result = decoder.update_greedy(plan, predictions.cpu())
+        picked = torch.full((plan.layout.logit_rows.numel(),), -1, dtype=torch.long, device=device)
+        picked[share.owned.to(device)] = decoder.choices(plan, logits, share.owned).to(device)
+        dist.all_reduce(picked, op=dist.ReduceOp.MAX, group=group)
+        result = decoder.update_from_choices(plan, picked.cpu())
         stats.steps += 1
         stats.tokens_fed += step.tokens.numel()
         tokens = result.tokens[: max_new_tokens - len(generated)]

@@ -128,17 +128,38 @@ class LookaheadDecoder:
         """Verify, commit and learn. logits: [len(plan.layout.logit_rows), vocab], the model's outputs at
         those rows in order."""
         if self.choose is None and self.transform is None:
-            return self.update_greedy(plan, logits.argmax(dim=-1))
+            return self.update_from_choices(plan, logits.argmax(dim=-1))
         width = plan.layout.window_rows.numel()
-        verdict = walk_tree(plan.tree, lambda node, accepted: self._scores(logits, width, node, accepted),
+        verdict = walk_tree(plan.tree, lambda node, accepted: self._scores(
+                                logits[0 if node == ROOT else 1 + width + node], accepted),
                             self.choose or greedy_choice, len(self.sequence))
         return self._commit(plan, verdict, logits[1 : 1 + width].argmax(dim=-1).tolist())  # greedy Jacobi
 
-    def update_greedy(self, plan: StepPlan, predictions: torch.Tensor) -> StepResult:
-        """`update` for greedy decoding from each logit row's argmax token ([len(plan.layout.logit_rows)])."""
+    def choices(self, plan: StepPlan, logits: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
+        """The token each of some logit rows leads to: `places` index `plan.layout.logit_rows`, `logits` holds
+        those rows' outputs. At the root and at a tree node it is the token the decoding rule picks there
+        (argmax, or the sample keyed by the position it would take); in the window, the argmax. Picks do
+        not depend on which rows are verified, so rows may be picked apart (on different processes) and
+        verified together (`update_from_choices`)."""
+        if self.choose is None and self.transform is None:
+            return logits.argmax(dim=-1)
         width = plan.layout.window_rows.numel()
-        verdict = verify_greedy(plan.tree, int(predictions[0]), predictions[1 + width :])
-        return self._commit(plan, verdict, predictions[1 : 1 + width].tolist())
+        picked = logits.argmax(dim=-1)
+        for index, place in enumerate(places.tolist()):
+            if 1 <= place <= width:
+                continue
+            node = ROOT if place == 0 else place - 1 - width
+            accepted = _path_tokens(plan.tree.tokens, plan.tree.parents, node)
+            scores = self._scores(logits[index], accepted)
+            picked[index] = (self.choose or greedy_choice)(scores, [], len(self.sequence) + len(accepted))[0]
+        return picked
+
+    def update_from_choices(self, plan: StepPlan, picked: torch.Tensor) -> StepResult:
+        """`update` from the token every logit row leads to ([len(plan.layout.logit_rows)], as `choices`
+        gives): the accepted path follows the picked tokens down the tree."""
+        width = plan.layout.window_rows.numel()
+        verdict = verify_greedy(plan.tree, int(picked[0]), picked[1 + width :])
+        return self._commit(plan, verdict, picked[1 : 1 + width].tolist())
 
     def _commit(self, plan: StepPlan, verdict: Verdict, window_outputs: list[int]) -> StepResult:
         if window_outputs:
@@ -154,9 +175,17 @@ class LookaheadDecoder:
         kept = torch.tensor([0] + [plan.layout.tree_start + node for node in verdict.nodes], dtype=torch.long)
         return StepResult(verdict.tokens, kept)
 
-    def _scores(self, logits: torch.Tensor, width: int, node: int, accepted: list[int]) -> torch.Tensor:
-        row = logits[0 if node == ROOT else 1 + width + node]
+    def _scores(self, row: torch.Tensor, accepted: list[int]) -> torch.Tensor:
+        """A node's scores: its logits `row`, transformed given the committed tokens and `accepted` below it."""
         if self.transform is None:
             return row
-        context = torch.tensor(self.sequence + accepted, device=logits.device).view(1, -1)
+        context = torch.tensor(self.sequence + accepted, device=row.device).view(1, -1)
         return self.transform(context, row.view(1, -1))[0]
+
+def _path_tokens(tokens: list[int], parents: tuple[int, ...], node: int) -> list[int]:
+    """The tokens from the root's first child down to `node` (none for the root)."""
+    path = []
+    while node != ROOT:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
