@@ -17,14 +17,17 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import signal
 import socket
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 from transformers import PreTrainedModel
 
 from .config import LookaheadConfig
@@ -160,29 +163,58 @@ def run_workers(workers: int, target: Callable[..., object], *args, threads: int
     """Runs `target(*args)` in `workers` local processes joined in a gloo process group (each with
     `threads` torch threads; default: the cores shared out) and returns rank 0's result. `target` must be
     importable by name (a module-level function). If a process fails, the others are stopped at once and
-    WorkerError says which one and why; a collective waits at most `timeout` for a process that hangs."""
+    WorkerError names the one that failed first and why (not the others, whose collectives failed on
+    losing it); a collective waits at most `timeout` for a process that hangs."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
-    results = mp.get_context("spawn").SimpleQueue()
+    messages = mp.get_context("spawn").SimpleQueue()
+    context = mp.start_processes(_worker, (workers, free_port(), threads, timeout, messages, target, args),
+                                 nprocs=workers, join=False, start_method="spawn")
     try:
-        mp.start_processes(_worker, (workers, free_port(), threads, timeout, results, target, args), nprocs=workers,
-                           join=True, start_method="spawn")
-    except mp.ProcessRaisedException as error:
-        last = [line for line in str(error).strip().splitlines() if line.strip()][-1]
-        raise WorkerError(f"worker {error.error_index} of {workers} failed: {last}") from None
-    except mp.ProcessExitedException as error:
-        raise WorkerError(f"worker {error.error_index} of {workers} exited with code {error.exit_code}") from None
-    return pickle.loads(results.get())
+        while not context.join():
+            pass
+    except ProcessException:
+        raise WorkerError(_first_failure(context.processes, messages, workers)) from None
+    return pickle.loads(messages.get()[1])
 
 
-def _worker(rank: int, workers: int, port: int, threads: int, timeout: timedelta, results, target, args) -> None:
+def _first_failure(processes, messages, workers: int) -> str:
+    """What went wrong first: the earliest exception a worker reported, unless it only says that another
+    worker went away; else a worker that exited without a word (killed, os._exit)."""
+    failures = []
+    while not messages.empty():
+        kind, payload = messages.get()
+        if kind == "error":
+            failures.append(payload)  # (when, rank, last line of the traceback)
+    failures.sort()
+    collateral = ("Connection closed by peer", "Connection reset by peer", "Timed out")
+    for _, rank, line in failures:
+        if not any(words in line for words in collateral):
+            return f"worker {rank} of {workers} failed: {line}"
+    reported = {rank for _, rank, _ in failures}
+    for rank, process in enumerate(processes):
+        process.join(timeout=5)
+        if rank not in reported and process.exitcode not in (0, None, -signal.SIGTERM):
+            return f"worker {rank} of {workers} exited with code {process.exitcode}"
+    if failures:
+        _, rank, line = failures[0]
+        return f"worker {rank} of {workers} failed: {line}"
+    return f"a worker of {workers} failed without a message"
+
+
+def _worker(rank: int, workers: int, port: int, threads: int, timeout: timedelta, messages, target, args) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=workers,
                             timeout=timeout)
     try:
         result = target(*args)
         if rank == 0:  # plain pickle: tensors travel by value, not as shared memory that dies with the process
-            results.put(pickle.dumps(result))
+            messages.put(("result", pickle.dumps(result)))
+    except BaseException as error:
+        # Said before the process group goes down, so that it comes before the other workers' failures.
+        lines = [line for line in traceback.format_exception_only(error)[-1].strip().splitlines() if line.strip()]
+        messages.put(("error", (time.monotonic(), rank, lines[-1] if lines else type(error).__name__)))
+        raise
     finally:
         dist.destroy_process_group()
