@@ -62,7 +62,7 @@ def _decode_tiny(cases: list[tuple[str, tuple[int, int, int]]]) -> list[list[int
                               eos_token_id=[]).sequences[0].tolist() for family, config in cases]
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_workers_give_greedy_generate_token_for_token_on_tiny_models(workers):
     cases = [(family, config) for family in FAMILIES for config in CONFIGS[:3]] + [("llama", c) for c in CONFIGS[3:]]
     outputs = run_workers(workers, _decode_tiny, cases, threads=1)

@@ -465,7 +465,7 @@ def bench_serve_command(
     threads: ThreadsOption = None,
     out: OutOption = None,
 ) -> None:
-    """Load a server with concurrent streaming chat clients, lookahead off then on: TTFT, inter-token
+    """Load a server with concurrent streaming chat clients, lookahead on then off: TTFT, inter-token
     latency, throughput, failures."""
     from .bench.serve import load_table, serve_load
     from .serve import create_app, serve_in_thread

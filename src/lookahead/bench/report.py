@@ -142,9 +142,13 @@ def write_cost(out: Path, points: list[CostPoint], env: dict) -> list[Path]:
     return [out / "cost.json", _save(fig, ax, out / "cost.png")]
 
 
+def _as_dicts(runs, *properties: str) -> list[dict]:
+    """Each run's fields and the named derived properties, for results.json."""
+    return [{**asdict(r), **{name: getattr(r, name) for name in properties}} for r in runs]
+
+
 def write_batch(out: Path, runs: list[BatchRun], env: dict, command: str) -> list[Path]:
-    results = {"runs": [{**asdict(r), "tokens_per_second": r.tokens_per_second, "tokens_per_step": r.tokens_per_step}
-                        for r in runs]}
+    results = {"runs": _as_dicts(runs, "tokens_per_second", "tokens_per_step")}
     body = (f"{batch_table(runs)}\n\n"
             "tokens/s: new tokens of all sequences over the wall time; latency: mean seconds from a sequence's "
             "start (for our engine: its admission to a slot) to its last token (transformers returns every "
@@ -162,8 +166,7 @@ def write_batch(out: Path, runs: list[BatchRun], env: dict, command: str) -> lis
 
 
 def write_serve(out: Path, runs: list[LoadRun], env: dict, command: str) -> list[Path]:
-    results = {"runs": [{**asdict(r), "tokens_per_second": r.tokens_per_second, "tokens_per_step": r.tokens_per_step}
-                        for r in runs]}
+    results = {"runs": _as_dicts(runs, "tokens_per_second", "tokens_per_step")}
     body = (f"{load_table(runs)}\n\n"
             "tokens/s: tokens of all replies over the wall time of the mode; TTFT: from sending a request to its "
             "first token; ITL: time between a reply's tokens, a step's tokens sharing the step's interval; "
@@ -189,12 +192,11 @@ def write_serve(out: Path, runs: list[LoadRun], env: dict, command: str) -> list
 
 def write_parallel(out: Path, runs: list[ParallelRun], predictions: list[tuple[int, float, float]], env: dict,
                    command: str) -> list[Path]:
-    results = {"runs": [{**asdict(r), "tokens_per_second": r.tokens_per_second, "steps_per_second": r.steps_per_second,
-                         "tokens_per_step": r.tokens_per_step} for r in runs],
+    results = {"runs": _as_dicts(runs, "tokens_per_second", "steps_per_second", "tokens_per_step"),
                "predictions": [{"devices": k, "rows_per_device": rows, "speedup": speedup}
                                for k, rows, speedup in predictions]}
     body = (f"{parallel_table(runs)}\n\n## Cost model\n\n{prediction_table(predictions, runs)}\n\n"
-            "Predicted speedup: T(rows of the whole step) / T(rows of the busiest device), from the cost curve "
+            "Predicted speedup: T(rows of the whole step) / T(rows per device, the load balanced), from the cost curve "
             "named above; the tokens committed per step do not change with the number of devices.\n\n"
             "![speedup](parallel.png)\n")
     written = _write_results(out, "Lookahead parallelism benchmark", command, env, results, body)
