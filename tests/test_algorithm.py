@@ -338,6 +338,35 @@ def test_decoder_choose_rule_picks_the_tokens():
     assert decoder.window.levels[1] == [3, 4]  # the window stays greedy
 
 
+@pytest.mark.parametrize("rule", ["greedy", "transform", "lowest"])
+def test_rows_picked_apart_and_verified_together_commit_what_update_commits(rule):
+    """What lookahead parallelism does: each process picks the tokens of some logit rows
+    (`choices`), and the picks of all rows verified together (`update_from_choices`) must commit what
+    one process's `update` commits."""
+    def lowest(scores, candidates, position):
+        token = int(scores.argmin())
+        return token, next((node for candidate, node in candidates if candidate == token), None)
+
+    def make():
+        if rule == "transform":
+            return _transform_decoder()[0]
+        return LookaheadDecoder(SMALL, PROMPT, choose=lowest if rule == "lowest" else None)
+
+    logits = {"greedy": _logits([6, 3, 4, 7, 2, 9]),  # 6, then node 2 (7), then 9
+              "transform": _logits([1, 3, 4, 2, 2, 2]),  # the transform plans 6, 7, 9
+              "lowest": _logits([9, 3, 4, 9, 9, 9], lowest=[6, 0, 0, 8, 0, 0])}[rule]  # 6, 8, 0
+    alone, apart = make(), make()
+    plan = alone.plan()
+    expected = alone.update(plan, logits)
+    picked = torch.full((6,), -1, dtype=torch.long)
+    for places in (torch.tensor([0, 2, 4]), torch.tensor([5, 1, 3])):  # two processes' rows, in any order
+        picked[places] = apart.choices(plan, logits[places], places)
+    result = apart.update_from_choices(plan, picked)
+    assert result.tokens == expected.tokens and torch.equal(result.kept_rows, expected.kept_rows)
+    assert apart.sequence == alone.sequence and apart.window.levels == alone.window.levels
+    assert len(result.tokens) > 1  # a guess was accepted, not only the root's token
+
+
 def test_decoder_greedy_update_commits_and_learns_only_output_ngrams():
     config = LookaheadConfig(window=0, ngram=2, guesses=2, seed_from_prompt=False)
     decoder = LookaheadDecoder(config, [1, 2, 3, 4, 5])
