@@ -52,8 +52,27 @@ def test_a_split_runs_every_row_its_rows_attend_to_and_owns_each_logit_row_once(
 def test_a_wide_step_is_shared_out_evenly():
     tree = build_guess_tree([[t, t + 1, t + 2, t + 3] for t in range(15)])  # 15 subtrees of 4 nodes
     layout = step_layout(4, 15, tree)  # W15 N5 G15: 1 + 60 + 60 rows
-    sizes = [share.rows.numel() for share in split_step(layout, tree.parents, 2)]
-    assert sum(sizes) < layout.size + 16 and max(sizes) <= 0.6 * layout.size, sizes
+    two = split_step(layout, tree.parents, 2)
+    # Worker 0: row 0, columns 0-7 (level 0 and levels 1-3: 32 rows), 8 subtrees; worker 1: row 0, level 0
+    # of all 15 columns and levels 1-3 of columns 8-14 (36 rows), 7 subtrees: 65 rows each.
+    assert [share.rows.numel() for share in two] == [65, 65]
+    assert two[0].rows[1:9].tolist() == list(range(1, 9)) and two[1].rows[1:16].tolist() == list(range(1, 16))
+    sizes = [share.rows.numel() for share in split_step(layout, tree.parents, 3)]
+    assert max(sizes) - min(sizes) <= 4 and sum(sizes) == layout.size + 2 + 5 + 10  # row 0 twice more, level 0 of 5 and 10 columns
+
+
+def test_subtrees_go_largest_first_to_the_least_loaded_worker():
+    """One window level of 2 columns (rows 1, 2), five one-node guesses (rows 3-7) and a five-node chain
+    (rows 8-12), listed last. The chain goes first, to the worker with the least window rows."""
+    tree = build_guess_tree([[10], [11], [12], [13], [14], [20, 21, 22, 23, 24]])
+    layout = step_layout(1, 2, tree)
+    two = split_step(layout, tree.parents, 2)
+    assert [share.rows.tolist() for share in two] == [[0, 1, 7, 8, 9, 10, 11, 12], [0, 1, 2, 3, 4, 5, 6]]
+    assert [share.owned.tolist() for share in two] == [[0, 1, 7, 8, 9, 10, 11, 12], [2, 3, 4, 5, 6]]
+    three = split_step(layout, tree.parents, 3)  # worker 2 has no column: no window row at all
+    assert [share.rows.tolist() for share in three] == [[0, 1, 3, 4, 6], [0, 1, 2, 5, 7], [0, 8, 9, 10, 11, 12]]
+    with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
+        split_step(layout, tree.parents, 0)
 
 
 def _decode_tiny(cases: list[tuple[str, tuple[int, int, int]]]) -> list[list[int]]:
