@@ -367,6 +367,43 @@ def test_rows_picked_apart_and_verified_together_commit_what_update_commits(rule
     assert len(result.tokens) > 1  # a guess was accepted, not only the root's token
 
 
+def test_each_node_is_picked_at_its_own_position_after_its_own_prefix():
+    """A rule's pick depends on the position the token takes (sampling keys its noise by it) and a transform
+    on the text before it: `choices` must give each node both, as `update` does along the accepted path."""
+    seen = []
+
+    def rule(scores, candidates, position):
+        seen.append(("rule", position))
+        token = int(scores.argmax())
+        return token, next((node for candidate, node in candidates if candidate == token), None)
+
+    def transform(context, scores):
+        seen.append(("context", context[0].tolist()))
+        return scores
+
+    decoder = LookaheadDecoder(SMALL, PROMPT, choose=rule, transform=transform)
+    plan = decoder.plan()  # tree 6 -> {8, 7}: nodes 0, 1, 2 at rows 3, 4, 5
+    logits = _logits([6, 3, 4, 7, 2, 9])
+    decoder.choices(plan, logits[[0, 3, 4, 5]], torch.tensor([0, 3, 4, 5]))
+    n = len(PROMPT)
+    assert seen == [("context", PROMPT), ("rule", n), ("context", PROMPT + [6]), ("rule", n + 1),
+                    ("context", PROMPT + [6, 8]), ("rule", n + 2), ("context", PROMPT + [6, 7]), ("rule", n + 2)]
+    seen.clear()
+    assert decoder.update(plan, logits).tokens == [6, 7, 9]
+    assert seen == [("context", PROMPT), ("rule", n), ("context", PROMPT + [6]), ("rule", n + 1),
+                    ("context", PROMPT + [6, 7]), ("rule", n + 2)]
+
+
+@pytest.mark.parametrize("root, hits", [(6, 1.0), (1, 0.0)])
+def test_the_likeliest_node_is_scored_against_the_first_committed_token(root, hits):
+    decoder = LookaheadDecoder(SMALL, PROMPT)
+    plan = decoder.plan()
+    token, chance = plan.top
+    assert token == 6 and 0 < chance < 1
+    decoder.update(plan, _logits([root, 3, 4, 2, 2, 2]))
+    assert decoder.stats.calibration == pytest.approx((hits + 1.0) / (chance + 1.0))
+
+
 def test_decoder_greedy_update_commits_and_learns_only_output_ngrams():
     config = LookaheadConfig(window=0, ngram=2, guesses=2, seed_from_prompt=False)
     decoder = LookaheadDecoder(config, [1, 2, 3, 4, 5])

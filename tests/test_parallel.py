@@ -75,6 +75,16 @@ def test_subtrees_go_largest_first_to_the_least_loaded_worker():
         split_step(layout, tree.parents, 0)
 
 
+def test_a_workers_load_counts_every_level_of_its_columns_and_the_level_0_rows_before_them():
+    """W3 N5: worker 0 runs columns 0-1 (8 window rows), worker 1 column 2 and level 0 of columns 0-1
+    (6 rows). The 3-node chain goes to worker 1, the lighter, and the single node to worker 0."""
+    tree = build_guess_tree([[20, 21, 22], [10]])  # rows 13-15 and 16
+    layout = step_layout(4, 3, tree)
+    shares = split_step(layout, tree.parents, 2)
+    assert [share.rows.tolist() for share in shares] == [[0, 1, 2, 4, 5, 7, 8, 10, 11, 16],
+                                                         [0, 1, 2, 3, 6, 9, 12, 13, 14, 15]]
+
+
 def _decode_tiny(cases: list[tuple[str, tuple[int, int, int]]]) -> list[list[int]]:
     """One process's part of decoding every case (a tiny family, a W,N,G), in a process group."""
     return [parallel_generate(make_tiny_model(family), PROMPT, 40, LookaheadConfig(*config),
