@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,7 +17,9 @@ from lookahead.core.drafts import Draft
 from lookahead.core.layout import build_guess_tree, step_layout
 from lookahead.core.pool import NGramPool, PoolProposer
 from lookahead.core.suffix import Corpus
-from lookahead.core.verify import ROOT, Verdict, greedy_choice, gumbel_noise, sample_choice, verify_greedy, walk_tree
+from lookahead.core.verify import (
+    ROOT, Verdict, _mix, greedy_choice, gumbel_noise, sample_choice, verify_greedy, walk_tree,
+)
 from lookahead.core.window import LookaheadWindow
 
 
@@ -238,13 +242,22 @@ def test_walk_scores_each_node_with_the_tokens_accepted_before_it():
     assert calls == [(ROOT, []), (0, [5]), (3, [5, 8]), (4, [5, 8, 9])]
 
 
+def test_the_noise_key_is_splitmix64():
+    """Seeded samples must stay the same across versions: the (seed, position) key is splitmix64's output
+    function, whose stream from state 0 starts e220a8397b1dcdaf, 6e789e6aa1b965f4, 06c45d188009454f
+    (the published reference values); seed s and position p take state s * golden + p + 1."""
+    assert [_mix(n, -1) for n in (1, 2, 3)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    assert _mix(0, 0x9E3779B97F4A7C15 - 1) == 0xE220A8397B1DCDAF  # the same state reached by the position
+
+
 def test_sampled_token_depends_on_seed_and_position_only():
     """The token drawn at a position is the same whatever the children offered and whatever the global RNG
     holds; a child is accepted exactly when it holds that token; other positions or seeds draw anew."""
     scores = torch.tensor([0.0, 0.2, -0.3, 0.1, 0.0])
+    global_seeds = itertools.count()
 
     def draw(seed, position, candidates):
-        torch.manual_seed(seed + position)  # the global RNG is not used
+        torch.manual_seed(next(global_seeds))  # a new global state each call: it must not matter
         return sample_choice(scores, candidates, gumbel_noise(seed, position, 5))
 
     for seed in range(3):
