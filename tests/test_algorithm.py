@@ -417,6 +417,19 @@ def test_the_likeliest_node_is_scored_against_the_first_committed_token(root, hi
     assert decoder.stats.calibration == pytest.approx((hits + 1.0) / (chance + 1.0))
 
 
+def test_the_window_pays_only_where_its_rows_are_nearly_free():
+    def flat(k):
+        return 1.0
+
+    def steep(k):
+        return float(k)
+
+    assert LookaheadDecoder(SMALL, PROMPT).window_pays(steep)  # unbudgeted: the window is always fed
+    budgeted = LookaheadDecoder(LookaheadConfig(window=2, ngram=3, guesses=2, budget=True), PROMPT, cost=flat)
+    assert budgeted.window.width == 2
+    assert budgeted.window_pays(flat) and not budgeted.window_pays(steep)
+
+
 def test_decoder_greedy_update_commits_and_learns_only_output_ngrams():
     config = LookaheadConfig(window=0, ngram=2, guesses=2, seed_from_prompt=False)
     decoder = LookaheadDecoder(config, [1, 2, 3, 4, 5])
