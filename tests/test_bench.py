@@ -194,3 +194,23 @@ def test_bench_serve_loads_a_server_with_lookahead_on_and_off(tiny_dir, tmp_path
 def test_bench_serve_names_a_server_it_cannot_reach():
     result = run("bench", "serve", "--url", "http://127.0.0.1:9", "--requests", "1")
     assert result.returncode == 2 and "--url" in result.stderr and "/v1/models" in result.stderr
+
+
+def test_the_gpu_check_runs_through_on_tiny_shapes(tmp_path):
+    """scripts/gpu_check.sh runs only when a GPU is lent, rarely: its dry run keeps it from rotting. On a
+    CPU it checks exactness and measures both eager cost curves; the CUDA-graph mode is skipped there."""
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--quick", "--device", "cpu"], cwd=root, timeout=300,
+                          capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)})
+    assert done.returncode == 0, done.stdout[-2000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert len(report["exactness"]) == 6 and all(row["identical"] for row in report["exactness"])
+    curves = report["cost_curves"][0]
+    for mode in ("ours_eager", "hf_static_eager"):
+        assert sorted(map(int, curves[mode])) == [1, 2, 4, 8, 16, 32, 64, 128] and min(curves[mode].values()) > 0
+    assert curves["hf_static_cuda_graphs"] == "skipped"
+    assert {row["mode"] for row in report["projections"]} == {"ours_eager", "hf_static_eager"}
+    assert (tmp_path / "gpu_check.txt").stat().st_size > 0
