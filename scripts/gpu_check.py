@@ -20,7 +20,6 @@ import inspect
 import json
 import math
 import platform
-import statistics
 import time
 import traceback
 from pathlib import Path
@@ -30,7 +29,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from lookahead import LookaheadConfig, generate
-from lookahead.costs import forward_cost
+from lookahead.costs import forward_cost, median_seconds
 from lookahead.hf import HFModelRunner
 
 SHAPES = {
@@ -85,24 +84,10 @@ def exactness(device: str, shapes: list[str]) -> list[dict]:
                     at = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
                     top = reference.scores[at][0].float().topk(2).values
                     row.update(first_divergence=at, reference_top2_gap=float(top[0] - top[1]))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                _record(rows, row)
         del model
-        torch.cuda.empty_cache() if device == "cuda" else None
+        _free(device)
     return rows
-
-
-def _median_seconds(run, repeats: int, device: str) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
 
 
 def static_costs(model: LlamaForCausalLM, device: str, compiled: bool, repeats: int) -> dict[int, float]:
@@ -130,7 +115,7 @@ def static_costs(model: LlamaForCausalLM, device: str, compiled: bool, repeats: 
 
         for _ in range(2 if compiled else 0):  # compile and capture before timing
             run()
-        seconds[k] = _median_seconds(run, repeats, device)
+        seconds[k] = median_seconds(run, repeats, torch.device(device))
     return seconds
 
 
@@ -164,11 +149,22 @@ def cost_curves(device: str, shapes: list[tuple[str, torch.dtype]], compiled: bo
                 row[mode] = {str(k): v for k, v in measure().items()}
             except Exception as error:  # noqa: BLE001 - record it, go on with the next mode
                 row[mode] = f"failed: {type(error).__name__}: {error}"[:500]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        _record(rows, row)
         del model
-        torch.cuda.empty_cache() if device == "cuda" else None
+        _free(device)
     return rows
+
+
+def _record(rows: list[dict], row: dict) -> None:
+    """Keep a result and show it at once (a run cut short by the time limit still printed it)."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def _free(device: str) -> None:
+    """Give the memory of the model just dropped back before building the next one."""
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def projections(curves: list[dict], fit: dict) -> list[dict]:

@@ -45,6 +45,7 @@ def test_a_split_runs_every_row_its_rows_attend_to_and_owns_each_logit_row_once(
         # Closed under attention: whatever a row attends to inside the step runs on the same worker.
         assert not bool((layout.allowed[share.rows] & ~runs).any())
         assert torch.equal(share.rows[share.logit_rows], layout.logit_rows[share.owned])
+        assert torch.equal(share.place >= 0, runs) and torch.equal(share.place[share.rows], torch.arange(share.rows.numel()))
     if workers == 1:
         assert torch.equal(shares[0].rows, torch.arange(layout.size))
 

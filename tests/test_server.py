@@ -5,7 +5,6 @@ request alone, a client that goes away frees its slot, bad requests get OpenAI-s
 from __future__ import annotations
 
 import concurrent.futures
-import socket
 import time
 
 import json
@@ -16,6 +15,7 @@ import pytest
 from conftest import reference_greedy
 
 from lookahead.prompts import encode_messages
+from lookahead.parallel import free_port
 from lookahead.serve import create_app, serve_in_thread
 
 pytestmark = pytest.mark.slow
@@ -177,9 +177,7 @@ def test_the_serve_command_starts_on_the_default_model():
     import sys
     from pathlib import Path
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = shutil.which("lookahead", path=str(Path(sys.executable).parent))
     process = subprocess.Popen([command, "serve", "--port", str(port), "--max-batch", "2"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

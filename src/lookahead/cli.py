@@ -28,11 +28,11 @@ from .bench.report import (
 )
 from .bench.runner import environment, run_benchmark, standard_methods, summarize
 from .config import AUTO_CONFIG, LookaheadConfig
-from .costs import cost_curve, forward_cost
+from .costs import CostCurve, cost_curve, forward_cost
 from .engine import check_request
 from .generation import generate
 from .hf import HFModelRunner
-from .models import DTYPES, ModelLoadError, load_model
+from .models import DEFAULT_MODEL_NAME, DTYPES, ModelLoadError, load_model
 from .parallel import DEFAULT_TIMEOUT, WorkerError, parallel_generate, run_workers
 from .prompts import encode_prompt
 from .workloads import BUILTIN, load_workload
@@ -142,9 +142,12 @@ def generate_command(
     except ValueError as error:
         _fail(str(error))
     if workers > 1 or launched > 1:
-        options = {**sampling, "seed": seed}
-        out = _parallel(workers, launched, (model, gguf_file, dtype, input_ids, max_new_tokens, config, options), lm,
-                        threads)
+        call = {"input_ids": input_ids, "max_new_tokens": max_new_tokens, "config": config, **sampling, "seed": seed}
+        if launched > 1:
+            out = _torchrun_rank(lm, call)
+        else:
+            del lm  # each worker loads its own copy
+            out = _local_workers(workers, threads, (model, gguf_file, dtype), call)
         if out is None:  # a torchrun rank other than 0: rank 0 reports
             return
         text = tokenizer.decode(out.sequences[0, input_ids.shape[1]:], skip_special_tokens=True)
@@ -220,30 +223,32 @@ def _parse_config(text: str) -> LookaheadConfig:
         raise typer.BadParameter(str(error), param_hint="--config") from error
 
 
-def _parallel(workers: int, launched: int, request: tuple, lm, threads: int | None):
-    """Lookahead parallelism for `generate`: `workers` local processes, or this rank of torchrun's
-    `launched` ones (None on ranks other than 0)."""
-    if launched > 1:
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if lm.device.type == "cuda" else "gloo", timeout=DEFAULT_TIMEOUT)
-        try:
-            out = parallel_generate(lm, request[3], request[4], request[5] or LookaheadConfig(), **request[6])
-        finally:
-            dist.destroy_process_group()
-        return out if int(os.environ.get("RANK", "0")) == 0 else None
-    del lm  # each worker loads its own copy
+def _torchrun_rank(lm, call: dict):
+    """This rank's part of `generate` under torchrun: the output on rank 0, None on the others."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if lm.device.type == "cuda" else "gloo", timeout=DEFAULT_TIMEOUT)
     try:
-        return run_workers(workers, _parallel_worker, *request, threads=threads)
+        out = parallel_generate(lm, **call)
+    finally:
+        dist.destroy_process_group()
+    return out if int(os.environ.get("RANK", "0")) == 0 else None
+
+
+def _local_workers(workers: int, threads: int | None, source: tuple, call: dict):
+    """`generate --workers`: `workers` local processes, each loading the model from `source`."""
+    try:
+        return run_workers(workers, _parallel_worker, source, call, threads=threads)
     except WorkerError as error:
         _fail(str(error))
 
 
-def _parallel_worker(model: str | None, gguf_file: str | None, dtype: str, input_ids, max_new_tokens: int,
-                     config: LookaheadConfig | None, options: dict):
-    """One process of `generate --workers`: its own copy of the model, its share of every step."""
+def _parallel_worker(source: tuple[str | None, str | None, str], call: dict):
+    """One process of `generate --workers`: its own copy of the model (name, GGUF file, dtype), its share of
+    every step."""
     hf_logging.disable_progress_bar()
+    model, gguf_file, dtype = source
     lm, _ = load_model(model, gguf_file=gguf_file, dtype=dtype)
-    return parallel_generate(lm, input_ids, max_new_tokens, config or LookaheadConfig(), **options)
+    return parallel_generate(lm, **call)
 
 
 def _load_model(model: str | None, gguf_file: str | None, dtype: str, threads: int | None,
@@ -487,7 +492,7 @@ def bench_serve_command(
         env = {"server": base, "model": name, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     else:
         lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
-        name = model or "SmolLM2-135M-Instruct"
+        name = model or DEFAULT_MODEL_NAME
         server_app = create_app(lm, tokenizer, model_name=name, max_batch=max_batch or clients,
                                 max_queue=max(requests or 2 * clients, clients))
         with serve_in_thread(server_app) as base:
@@ -502,7 +507,6 @@ def bench_serve_command(
 
 
 def _served_model(url: str, api_key: str | None) -> str:
-    import json
     import urllib.request
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -562,7 +566,7 @@ def bench_parallel_command(
     else:
         points = forward_cost(HFModelRunner(lm, packed_linear=False), context=256,
                               sizes=(1, 2, 4, 8, 16, 32, 64, 128, 192), repeats=3)
-        curve = curve_from_points([{"tokens": p.tokens, "seconds": p.seconds} for p in points])
+        curve = CostCurve([p.tokens for p in points], [p.seconds for p in points])
         source = f"measured here, {threads} thread(s)"
     predictions = predicted_speedups(curve, runs[0].rows_per_step, config, max_devices)
     env = {**environment(lm), "config": config.label, "dataset": dataset, "prompts": len(inputs), "cost curve": source}
@@ -594,7 +598,7 @@ def serve_command(
     from .serve import create_app
 
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
-    name = model or "SmolLM2-135M-Instruct"
+    name = model or DEFAULT_MODEL_NAME
     try:
         server_app = create_app(lm, tokenizer, model_name=name, max_batch=max_batch, max_queue=max_queue,
                                 max_length=max_length, api_keys=tuple(api_key or ()))

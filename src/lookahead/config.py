@@ -64,3 +64,5 @@ def _check_int(name: str, value: object, minimum: int, allowed: str) -> None:
 
 # What `config=None` means: every source, each step sized to the device's measured cost curve.
 AUTO_CONFIG = LookaheadConfig(window=5, ngram=4, guesses=5, suffix=32, budget=True)
+# Lookahead off: one token per step through the same loop (the baseline our own engine is compared with).
+PLAIN_CONFIG = LookaheadConfig(window=0, guesses=0)

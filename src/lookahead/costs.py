@@ -66,16 +66,23 @@ def forward_cost(
     for k in sizes:
         steps = [causal_step(torch.randint(vocab, (k,), generator=generator), logits=k) for _ in slots]
         step_batch = pack_steps(slots, [context] * batch, steps)
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            start = time.perf_counter()
-            runner.forward(store, step_batch)
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)
-            times.append(time.perf_counter() - start)
-        medians[k] = statistics.median(times[1:])
+        medians[k] = median_seconds(lambda: runner.forward(store, step_batch), repeats, runner.device)
     base = medians[sizes[0]]
     return [CostPoint(k, medians[k], medians[k] / base) for k in sizes]
+
+
+def median_seconds(run, repeats: int, device: torch.device) -> float:
+    """Median wall time of `run()` over `repeats` calls after one warm-up, waiting for a GPU to finish."""
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def _curve_key(runner: HFModelRunner) -> str:

@@ -275,9 +275,9 @@ class Engine:
         demands = []
         for request, proposal, window in zip(decoding, proposals, windows):
             left = request.params.max_new_tokens - len(request.generated)
-            base = 1 + (len(request.decoder.window.tokens) if window else 0)
             # Nodes past the last token this request may still commit cannot pay.
-            demands.append(request.decoder.demand(proposal, window, min(base + left - 1, STEP_ROOM)))
+            most = min(request.decoder.base_rows(window) + left - 1, STEP_ROOM)
+            demands.append(request.decoder.demand(proposal, window, most))
         counts = node_counts(demands, cost)
         return [r.decoder.plan(p, n, w) for r, p, n, w in zip(decoding, proposals, counts, windows)]
 
@@ -288,15 +288,10 @@ class Engine:
 
     def _stop(self, request: _Request, tokens: list[int]) -> tuple[list[int], bool]:
         """The tokens the request keeps (up to its stop token or its length) and whether it is done."""
-        left = request.params.max_new_tokens - len(request.generated)
-        tokens = tokens[:left]
-        for index, token in enumerate(tokens):
-            if token in request.stop_ids:
-                tokens = tokens[: index + 1]
-                request.generated.extend(tokens)
-                return tokens, True
+        tokens, finished = kept_tokens(tokens, request.params.max_new_tokens - len(request.generated),
+                                       request.stop_ids)
         request.generated.extend(tokens)
-        return tokens, len(request.generated) >= request.params.max_new_tokens
+        return tokens, finished
 
     def _admit(self) -> None:
         while self._waiting and None in self._slots:
@@ -375,6 +370,16 @@ def _available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kept_tokens(tokens: list[int], left: int, stop_ids: set[int]) -> tuple[list[int], bool]:
+    """Of a step's committed tokens, those a sequence keeps with `left` tokens still to go: up to its
+    length and through its first stop token; and whether the sequence is done."""
+    tokens = tokens[:left]
+    for index, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[: index + 1], True
+    return tokens, len(tokens) >= left
 
 
 def check_request(model: PreTrainedModel, input_ids: torch.Tensor | list[int], max_new_tokens: int) -> torch.Tensor:

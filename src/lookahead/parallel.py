@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 from .config import LookaheadConfig
 from .core.decoder import LookaheadDecoder
 from .core.split import split_step
-from .engine import GenerationStats, check_request, eos_ids
+from .engine import GenerationStats, check_request, eos_ids, kept_tokens
 from .generation import GenerateOutput
 from .hf import HFModelRunner
 from .runtime.batch import StepInput, after_tokens, causal_step, pack_steps
@@ -109,17 +109,13 @@ def parallel_generate(
         result = decoder.update_from_choices(plan, picked.cpu())
         stats.steps += 1
         stats.tokens_fed += step.tokens.numel()
-        tokens = result.tokens[: max_new_tokens - len(generated)]
-        stop = next((i for i, token in enumerate(tokens) if token in stops), None)
-        tokens = tokens if stop is None else tokens[: stop + 1]
+        tokens, finished = kept_tokens(result.tokens, max_new_tokens - len(generated), stops)
         generated += tokens
         stats.accepted_per_step.append(len(tokens))
-        if stop is not None or len(generated) >= max_new_tokens:
+        if finished:
             break
         # Keep the caught-up tokens, row 0, and the accepted guess where this rank ran it.
-        place = torch.full((plan.layout.size,), -1, dtype=torch.long)
-        place[rows] = torch.arange(rows.numel())
-        local = place[result.kept_rows]
+        local = share.place[result.kept_rows]
         if bool((local >= 0).all()):
             kept, behind = local, []
         else:

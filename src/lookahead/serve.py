@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
 import traceback
@@ -29,12 +28,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .config import AUTO_CONFIG, LookaheadConfig
+from .config import AUTO_CONFIG, PLAIN_CONFIG, LookaheadConfig
 from .core.suffix import Corpus
 from .engine import Engine, RequestParams, StepOutput
 from .prompts import encode_messages, has_chat_template
 
-PLAIN = LookaheadConfig(window=0, guesses=0)
 # The page at `/`: a chat box streaming from /v1/chat/completions, with tokens/s and tokens/step live.
 CHAT_PAGE = (resources.files(__package__) / "web" / "chat.html").read_text(encoding="utf-8")
 
@@ -175,7 +173,7 @@ def _lookahead_config(value: str | dict[str, int]) -> LookaheadConfig:
     if value == "auto":
         return AUTO_CONFIG
     if value == "off":
-        return PLAIN
+        return PLAIN_CONFIG
     if isinstance(value, dict):
         unknown = set(value) - {"window", "ngram", "guesses"}
         if unknown:
@@ -361,18 +359,16 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
 
 @contextlib.contextmanager
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1") -> Iterator[str]:
-    """Serves `app` with uvicorn on a free port of `host`, on a thread of this process: yields its URL,
-    and stops the server on leaving (for tests and `lookahead bench serve`)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    """Serves `app` with uvicorn on a port of `host` the system picks, on a thread of this process: yields
+    its URL, and stops the server on leaving (for tests and `lookahead bench serve`)."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, name="lookahead-http", daemon=True)
     thread.start()
     while not server.started:
         if not thread.is_alive():
-            raise RuntimeError(f"the server did not start on {host}:{port}")
+            raise RuntimeError(f"the server did not start on {host}")
         time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield f"http://{host}:{port}"
     finally:

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from ..config import AUTO_CONFIG, LookaheadConfig
+from ..config import AUTO_CONFIG, PLAIN_CONFIG, LookaheadConfig
 from ..engine import Engine, RequestParams, eos_ids, pad_id
 
-PLAIN = LookaheadConfig(window=0, guesses=0)
 METHODS = ("transformers", "plain", "lookahead")
 
 
@@ -91,7 +90,7 @@ def batch_runs(model: PreTrainedModel, prompts: Sequence[torch.Tensor], batch_si
         totals = {m: {"tokens": 0, "seconds": 0.0, "latency": 0.0, "steps": 0} for m in METHODS}
         results = {"transformers": [(*_transformers_batch(model, prompts[i: i + size], max_new_tokens), None)
                                     for i in range(0, len(prompts), size)],
-                   "plain": [_engine(model, prompts, max_new_tokens, PLAIN, size)],
+                   "plain": [_engine(model, prompts, max_new_tokens, PLAIN_CONFIG, size)],
                    "lookahead": [_engine(model, prompts, max_new_tokens, config, size)]}
         identical = results["lookahead"][0][0] == results["plain"][0][0]
         for method, parts in results.items():

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-
 from ..config import LookaheadConfig
 from ..costs import CostCurve
 from ..models import load_model

@@ -15,7 +15,7 @@ import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..baseline import hf_generate
-from ..config import LookaheadConfig
+from ..config import PLAIN_CONFIG, LookaheadConfig
 from ..generation import generate
 from ..prompts import encode_messages, encode_prompt, has_chat_template
 from ..workloads import Prompt
@@ -92,7 +92,7 @@ def run_method(
     options = dict(sampling or {})
     seed = options.pop("seed", 0)
     if method.kind in ("plain", "lookahead"):
-        config = method.config or LookaheadConfig(window=0, guesses=0)
+        config = method.config or PLAIN_CONFIG
         if sampling is not None:
             options.update(do_sample=True, generator=torch.Generator().manual_seed(seed))
         out = generate(model, input_ids, max_new_tokens=max_new_tokens, config=config, **options)

@@ -96,9 +96,13 @@ class LookaheadDecoder:
         drafts = [draft for proposer in self.proposers for draft in proposer.propose(self.sequence, limit)]
         return Proposal(drafts, rank_nodes(drafts, self.stats, MAX_TREE_NODES if self.cost else None))
 
+    def base_rows(self, window: bool = True) -> int:
+        """Rows of the next step before its guess tree: the last token, and the window if it is fed."""
+        return 1 + (len(self.window.tokens) if window else 0)
+
     def demand(self, proposal: Proposal, window: bool = True, most: int | None = None) -> RowDemand:
         """The rows this sequence asks of the next step (`window`: feed the window; `most`: cap on rows)."""
-        base = 1 + (len(self.window.tokens) if window else 0)
+        base = self.base_rows(window)
         scale = self.stats.calibration
         return RowDemand(base, [min(1.0, p * scale) for p in proposal.nodes.probabilities], self.cost is not None,
                          most if most is not None else base + len(proposal.nodes.prefixes))
@@ -181,6 +185,7 @@ class LookaheadDecoder:
             return row
         context = torch.tensor(self.sequence + accepted, device=row.device).view(1, -1)
         return self.transform(context, row.view(1, -1))[0]
+
 
 def _path_tokens(tokens: list[int], parents: tuple[int, ...], node: int) -> list[int]:
     """The tokens from the root's first child down to `node` (none for the root)."""

@@ -27,6 +27,7 @@ class Share:
     rows: torch.Tensor  # [q_k] long: the step's rows this worker runs, increasing
     owned: torch.Tensor  # [r_k] long: places in layout.logit_rows whose predictions this worker gives
     logit_rows: torch.Tensor  # [r_k] long: where those rows sit within `rows`
+    place: torch.Tensor  # [q] long: where each row of the step sits within `rows`; -1 where it does not run
 
 
 def split_step(layout: StepLayout, parents: tuple[int, ...], workers: int) -> list[Share]:
@@ -66,7 +67,7 @@ def split_step(layout: StepLayout, parents: tuple[int, ...], workers: int) -> li
         owned = torch.nonzero(logit_owner == worker).view(-1)
         place = torch.full((layout.size,), -1, dtype=torch.long)
         place[rows] = torch.arange(rows.numel())
-        shares.append(Share(rows, owned, place[layout.logit_rows[owned]]))
+        shares.append(Share(rows, owned, place[layout.logit_rows[owned]], place))
     return shares
 
 
