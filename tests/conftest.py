@@ -28,7 +28,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from lookahead import cli
+from lookahead import cli, quant
 from lookahead.baseline import hf_generate
 from lookahead.models import cache_root, load_model
 
@@ -128,6 +128,11 @@ def default_model():
     return _load_once(None, None, "float32")
 
 
+@pytest.fixture(scope="session")
+def default_model_int4():
+    return _load_once(None, None, "int4")
+
+
 # Example counts of the property tests: `scripts/test.sh --quick` runs the quick profile, the full run the
 # full one; both are seeded (derandomize), so a failure reproduces, and hypothesis prints the example.
 settings.register_profile("quick", max_examples=50, derandomize=True, deadline=None, print_blob=True,
@@ -161,7 +166,9 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return _FINGERPRINTS[model]
 
 
-_REFERENCE_SOURCE = hashlib.blake2b(inspect.getsource(hf_generate).encode(), digest_size=8).hexdigest()
+# The call, and the quantised layers' code (a quantised model's output depends on it, not only on its weights).
+_REFERENCE_SOURCE = hashlib.blake2b((inspect.getsource(hf_generate) + inspect.getsource(quant)).encode(),
+                                    digest_size=8).hexdigest()
 
 
 def reference_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, **options) -> torch.Tensor:

@@ -57,7 +57,7 @@ def test_installed_script_streams_text_then_summary():
     [
         (["--window", "-1"], "window must be an integer >= 0"),
         (["--ngram", "1"], "ngram must be an integer >= 2"),
-        (["--dtype", "int8"], "must be one of"),
+        (["--dtype", "int3"], "must be one of"),
         (["--max-new-tokens", "0"], "max-new-tokens"),
     ],
 )

@@ -32,7 +32,7 @@ from .costs import CostCurve, cost_curve, forward_cost
 from .engine import check_request
 from .generation import generate
 from .hf import HFModelRunner
-from .models import DEFAULT_MODEL_NAME, DTYPES, ModelLoadError, load_model
+from .models import DEFAULT_MODEL_NAME, WEIGHT_CHOICES, ModelLoadError, load_model
 from .parallel import DEFAULT_TIMEOUT, WorkerError, parallel_generate, run_workers
 from .prompts import encode_prompt
 from .workloads import BUILTIN, load_workload
@@ -43,7 +43,9 @@ ModelOption = Annotated[
     Optional[str], typer.Option("--model", help="Local folder, hub id or .gguf path; default: SmolLM2-135M-Instruct.")
 ]
 GgufOption = Annotated[Optional[str], typer.Option("--gguf-file", help="GGUF file name inside --model's folder.")]
-DtypeOption = Annotated[str, typer.Option("--dtype", help=f"One of {', '.join(DTYPES)}.")]
+DtypeOption = Annotated[str, typer.Option("--dtype", help=(
+    "float32, bfloat16 or float16: the whole model in that dtype; int8 or int4: linear weights kept quantised "
+    "(int8 per channel; int4 in groups of 32 with a minimum, like GGUF Q4_1; CPU only), float32 elsewhere."))]
 
 
 TopKOption = Annotated[Optional[int], typer.Option(help="Sampling: keep the k likeliest tokens (0: all).")]
@@ -253,8 +255,8 @@ def _parallel_worker(source: tuple[str | None, str | None, str], call: dict):
 
 def _load_model(model: str | None, gguf_file: str | None, dtype: str, threads: int | None,
                 tensor_parallel: bool = False):
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"must be one of {sorted(DTYPES)}, got {dtype!r}", param_hint="--dtype")
+    if dtype not in WEIGHT_CHOICES:
+        raise typer.BadParameter(f"must be one of {list(WEIGHT_CHOICES)}, got {dtype!r}", param_hint="--dtype")
     if threads is not None:
         torch.set_num_threads(threads)
     hf_logging.disable_progress_bar()

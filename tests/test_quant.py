@@ -1,0 +1,144 @@
+"""Weights kept quantised (`lookahead.quant`, `dtype="int8"/"int4"`): the layers compute what their codes
+say, each row on its own, and lookahead on a quantised model follows `generate` on the same model except
+at ties of the bfloat16 logits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from lookahead import generate
+from lookahead.bench.runner import TieMeter
+from lookahead.prompts import encode_prompt
+from lookahead.quant import GROUP_SIZE, Int4Linear, Int8Linear, quantise_weights, rounding_dtype, weights_of
+from lookahead.workloads import load_workload
+
+from conftest import reference_greedy, run_cli
+
+
+def _linear(weight: torch.Tensor, bias: bool = False) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias:
+            layer.bias.normal_()
+    return layer
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).float()
+
+
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 9), bias=st.booleans())
+def test_int4_layer_computes_with_its_groups_scale_and_minimum(seed, rows, bias):
+    """A weight that groups of 32 represent exactly (code * scale + minimum, both powers of two) comes out
+    exact: the layer's output is the float product of the bfloat16-rounded input, rounded to bfloat16."""
+    generator = torch.Generator().manual_seed(seed)
+    out_features, in_features = 64, 3 * GROUP_SIZE
+    codes = torch.randint(0, 16, (out_features, in_features), generator=generator).float()
+    codes[:, ::GROUP_SIZE] = 0  # every group spans the full 0..15 range, so its scale and minimum are exact
+    codes[:, 1::GROUP_SIZE] = 15
+    groups = (out_features, in_features // GROUP_SIZE)
+    scale = 2.0 ** torch.randint(-8, -3, groups, generator=generator).float()
+    minimum = -(2.0 ** torch.randint(-5, 0, groups, generator=generator).float())
+    weight = codes * scale.repeat_interleave(GROUP_SIZE, 1) + minimum.repeat_interleave(GROUP_SIZE, 1)
+    layer = _linear(weight, bias)
+    x = torch.randn(rows, in_features, generator=generator)
+    expected = _bf16(_bf16(x) @ weight.T) + (layer.bias.detach() if bias else 0)
+    torch.testing.assert_close(Int4Linear(layer)(x), expected, rtol=2**-7, atol=1e-6)
+
+
+def test_int8_layer_computes_with_a_scale_per_output_channel():
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(-127, 128, (48, 64), generator=generator).float()
+    codes[:, 0] = 127  # the largest magnitude fixes each channel's scale at a power of two / 127 * 127
+    scale = 2.0 ** torch.randint(-9, -4, (48, 1), generator=generator).float()
+    layer = _linear(codes * scale)
+    x = torch.randn(5, 64, generator=generator)
+    torch.testing.assert_close(Int8Linear(layer)(x), _bf16(_bf16(x) @ (codes * scale).T), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", [Int4Linear, Int8Linear])
+def test_each_row_is_computed_on_its_own(kind):
+    """What lookahead's exactness rests on: a row's output does not depend on the rows fed with it."""
+    torch.manual_seed(0)
+    layer = kind(nn.Linear(96, 160))
+    x = torch.randn(40, 96)
+    together = layer(x)
+    for count in (1, 2, 3, 8, 17, 40):
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(count)])
+        assert torch.equal(layer(x[:count]), alone) and torch.equal(together[:count], alone)
+
+
+def test_quantise_weights_swaps_every_linear(llama_tiny):
+    model = quantise_weights(copy.deepcopy(llama_tiny), "int4")
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(model.lm_head, Int8Linear)  # the output layer stays at 8 bits, as GGUF files keep it
+    assert isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
+    assert weights_of(model) == "int4" and weights_of(llama_tiny) is None
+    assert rounding_dtype(model) == torch.bfloat16 and rounding_dtype(llama_tiny) == torch.float32
+    # an input size that groups of 32 do not divide falls back to int8
+    odd = quantise_weights(nn.Sequential(nn.Linear(40, 8)), "int4")
+    assert isinstance(odd[0], Int8Linear)
+
+
+def test_quantise_weights_rejects_what_it_cannot_do(llama_tiny):
+    with pytest.raises(ValueError, match=r"must be one of \('int8', 'int4'\), got 'int2'"):
+        quantise_weights(copy.deepcopy(llama_tiny), "int2")
+    with pytest.raises(ValueError, match="no nn.Linear layers"):
+        quantise_weights(nn.Sequential(nn.ReLU()), "int8")
+    with pytest.raises(ValueError, match="in_features divisible by 32"):
+        Int4Linear(nn.Linear(40, 8))
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    n = min(a.numel(), b.numel())
+    different = (a[:n] != b[:n]).nonzero()
+    return int(different[0]) if len(different) else (None if a.numel() == b.numel() else n)
+
+
+def _follows_generate_up_to_ties(model, prompts: list[torch.Tensor], max_new_tokens: int) -> int:
+    """Greedy lookahead against transformers' `generate` on the same quantised model: each output is
+    identical, or its first difference is a choice between two tokens whose logits lie within two bfloat16
+    steps. Returns how many were identical."""
+    meter = TieMeter(model)
+    identical = 0
+    for prompt in prompts:
+        start = prompt.shape[1]
+        reference = reference_greedy(model, prompt, max_new_tokens)[0, start:]
+        ours = generate(model, prompt, max_new_tokens=max_new_tokens).sequences[0, start:]
+        index = _first_difference(reference, ours)
+        if index is None:
+            identical += 1
+            continue
+        gap, _, spacing = meter.gaps(prompt, reference.tolist(), ours.tolist(), index)
+        assert gap <= 2 * spacing, (prompt.tolist(), index, gap, spacing)
+    return identical
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_lookahead_follows_generate_on_the_quantised_model_up_to_bfloat16_ties(llama_tiny, kind):
+    model = quantise_weights(copy.deepcopy(llama_tiny), kind)
+    prompts = [torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(seed)) for seed in range(6)]
+    assert _follows_generate_up_to_ties(model, prompts, 40) >= 3
+
+
+@pytest.mark.slow
+def test_the_default_model_with_int4_weights_follows_generate_up_to_ties(default_model_int4):
+    model, tokenizer = default_model_int4
+    assert weights_of(model) == "int4"
+    prompts = [encode_prompt(tokenizer, prompt.turns[0])
+               for prompt in load_workload("mt_bench")[::40] + load_workload("humaneval")[:2]]
+    assert _follows_generate_up_to_ties(model, prompts, 64) >= 1
+
+
+def test_cli_generates_with_int4_weights(tiny_dir):
+    result = run_cli("generate", "def add(a, b):", "--raw", "--model", tiny_dir, "--dtype", "int4",
+                     "--max-new-tokens", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    assert '"new_tokens": 8' in result.stdout
