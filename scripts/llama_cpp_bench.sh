@@ -4,13 +4,18 @@
 # llama.cpp is built from the copy vendored in the llama-cpp-python sdist (PyPI), and the F32/BF16 GGUF
 # files are converted from the dequantised default model with llama.cpp's own converter.
 #
-#   bash scripts/llama_cpp_bench.sh [threads]      # prints llama-bench's table (tokens/s, tg256 at depth 128)
+#   bash scripts/llama_cpp_bench.sh [threads] [out]   # llama-bench's table, then ours side by side
+#
+# In the same run it then decodes with our plain loop and lookahead (`auto`) in float32 and with int4
+# weights (`--dtype int4`), 8 MT-bench prompts of 256 new tokens, and prints each against llama.cpp's
+# Q4_1 and F32 figures (results under [out], default docs/bench/llama_cpp).
 #
 # Needs cmake and a C++ compiler; the build (a few minutes) and the converted files are kept for reruns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >/dev/null
 THREADS="${1:-2}"
+OUT="${2:-docs/bench/llama_cpp}"
 VERSION=0.3.16
 WORK="${LOOKAHEAD_CACHE:-$HOME/.cache/lookahead}/llama.cpp-$VERSION"
 SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
@@ -38,5 +43,31 @@ for type in f32 bf16; do
   fi
 done
 
+mkdir -p "$OUT"
 "$SRC/build/bin/llama-bench" -m "$Q4" -m "$WORK/default-f32.gguf" -m "$WORK/default-bf16.gguf" \
-  -t "$THREADS" -p 0 -n 256 -d 128 -r 3
+  -t "$THREADS" -p 0 -n 256 -d 128 -r 3 -o json > "$OUT/llama_bench.json"
+for dtype in float32 int4; do
+  .venv/bin/lookahead bench --dataset mt_bench --limit 8 --max-new-tokens 256 --baselines plain --config auto \
+    --dtype "$dtype" --threads "$THREADS" --out "$OUT/ours-$dtype" > /dev/null
+done
+$PY - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+llama = {}
+for row in json.loads((out / "llama_bench.json").read_text()):
+    kind = "Q4_1" if "Q4_1" in row["model_type"] else ("F32" if "F32" in row["model_type"] else "BF16")
+    llama[kind] = row["avg_ts"]
+lines = ["| llama.cpp, plain | tokens/s |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in llama.items()]
+lines += ["", "| ours | tokens/s | tokens/step | vs llama.cpp Q4_1 | vs llama.cpp F32 |", "|---|---|---|---|---|"]
+for dtype in ("float32", "int4"):
+    runs = json.loads((out / f"ours-{dtype}" / "results.json").read_text())["runs"]
+    for method in ("plain", "lookahead-auto"):
+        mine = [r for r in runs if r["method"] == method]
+        tokens, seconds, steps = (sum(r[k] for r in mine) for k in ("new_tokens", "seconds", "steps"))
+        speed = tokens / seconds
+        lines.append(f"| {method} {dtype} | {speed:.1f} | {tokens / steps:.2f} | {speed / llama['Q4_1']:.2f}x "
+                     f"| {speed / llama['F32']:.2f}x |")
+(out / "side_by_side.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY

@@ -18,7 +18,7 @@ from ..baseline import hf_generate
 from ..config import PLAIN_CONFIG, LookaheadConfig
 from ..generation import generate
 from ..prompts import encode_messages, encode_prompt, has_chat_template
-from ..quant import rounding_dtype
+from ..quant import rounding_dtype, weights_of
 from ..workloads import Prompt
 
 PLD_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
@@ -274,7 +274,7 @@ def environment(model: PreTrainedModel) -> dict[str, object]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "dtype": str(model.dtype).removeprefix("torch."),
+        "dtype": weights_of(model) or str(model.dtype).removeprefix("torch."),  # int8 / int4: quantised weights
         "model": getattr(model.config, "_name_or_path", type(model).__name__),
         "device": str(model.device),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
