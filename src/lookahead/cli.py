@@ -113,6 +113,7 @@ def generate_command(
     workers: Annotated[int, typer.Option(min=1, help="Processes that share each step (lookahead parallelism over gloo; a fixed W,N,G).")] = 1,
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads per process (default: torch's choice; with --workers, the cores shared out).")] = None,
     tensor_parallel: Annotated[bool, typer.Option("--tensor-parallel", help="Under torchrun: split the model's weights across the processes (transformers' tp_plan='auto') and decode as one process.")] = False,
+    compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decoding steps (padded to a few heights, each compiled on first use).")] = False,
 ) -> None:
     """Generate text with lookahead decoding, streaming it to the terminal.
 
@@ -135,8 +136,9 @@ def generate_command(
     elif workers > 1 or launched > 1:
         if workers > 1 and launched > 1:
             raise typer.BadParameter("torchrun started the processes already; drop --workers", param_hint="--workers")
-        if compare:
-            raise typer.BadParameter("--compare runs in one process; drop --workers", param_hint="--compare")
+        for given, option in ((compare, "--compare"), (compile, "--compile")):
+            if given:
+                raise typer.BadParameter(f"{option} runs in one process; drop --workers", param_hint=option)
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads if workers == 1 else None, tensor_parallel)
     input_ids = encode_prompt(tokenizer, prompt, raw=raw)
     try:
@@ -164,7 +166,8 @@ def generate_command(
 
     def ours(tokens: int, streamer=None):
         generator = torch.Generator().manual_seed(seed)
-        return generate(lm, input_ids, max_new_tokens=tokens, config=config, streamer=streamer, generator=generator, **sampling)
+        return generate(lm, input_ids, max_new_tokens=tokens, config=config, streamer=streamer, generator=generator,
+                        compile=compile, **sampling)
 
     def theirs(tokens: int):
         torch.manual_seed(seed)
@@ -192,6 +195,8 @@ def generate_command(
         f"[{stats.new_tokens} new tokens, {stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step, "
         f"{stats.tokens_per_second:.1f} tokens/s"
     )
+    if compile:
+        summary += f", {stats.compile_seconds:.1f}s of it compiling"
     if compare:
         summary += (
             f"; model.generate {report['baseline_seconds']:.2f}s vs lookahead {stats.seconds:.2f}s, "
@@ -302,6 +307,7 @@ def bench_command(
     threads: ThreadsOption = None,
     out: OutOption = None,
     profile: Annotated[bool, typer.Option("--profile", help="Print where each method's time goes.")] = False,
+    compile: Annotated[bool, typer.Option("--compile", help="Also run each of our methods compiled (generate(compile=True)), as <name>-compiled.")] = False,
     sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding, in every method.")] = False,
     temperature: Annotated[float, typer.Option(help="With --sample.")] = 1.0,
     top_k: TopKOption = None,
@@ -350,7 +356,7 @@ def bench_command(
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     if configs is None:  # the automatic config, and the paper's fixed W5 N4 G5 beside it
         configs = [AUTO_CONFIG, LookaheadConfig()]
-    methods = standard_methods(configs, names, sampling=sample)
+    methods = standard_methods(configs, names, sampling=sample, compile=compile)
     console = Console(stderr=True)
     total = len(methods) * sum(len(p.turns) for p in prompts)
     with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as progress:
@@ -593,6 +599,7 @@ def serve_command(
     max_length: Annotated[Optional[int], typer.Option(min=2, help="Most positions of a request (default: the model's context, at most 4096).")] = None,
     api_key: Annotated[Optional[list[str]], typer.Option("--api-key", help="Accepted key (Authorization: Bearer KEY); repeat for several. Default: none needed.")] = None,
     threads: ThreadsOption = None,
+    compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decoding steps (each shape compiles during the first request that needs it).")] = False,
 ) -> None:
     """An OpenAI-compatible server (chat and text completions, streaming) on the lookahead engine."""
     import uvicorn
@@ -603,7 +610,7 @@ def serve_command(
     name = model or DEFAULT_MODEL_NAME
     try:
         server_app = create_app(lm, tokenizer, model_name=name, max_batch=max_batch, max_queue=max_queue,
-                                max_length=max_length, api_keys=tuple(api_key or ()))
+                                max_length=max_length, api_keys=tuple(api_key or ()), compile=compile)
     except (ValueError, MemoryError) as error:
         _fail(str(error))
     uvicorn.run(server_app, host=host, port=port, log_level="warning")

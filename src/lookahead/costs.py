@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .hf import HFModelRunner
+from .hf import COMPILED_HEIGHTS, HFModelRunner
 from .models import cache_root
 from .runtime.batch import causal_step, pack_steps
 
@@ -27,15 +27,18 @@ COST_FORMAT_VERSION = 3
 
 class CostCurve:
     """Relative forward cost T(k) / T(1) for k tokens in one step, from measured points: linear between
-    them and beyond the last."""
+    them and beyond the last. `padded_to`: the heights steps are padded to (a compiled forward): k costs
+    what the next of them costs."""
 
-    def __init__(self, sizes: Sequence[int], seconds: Sequence[float]) -> None:
+    def __init__(self, sizes: Sequence[int], seconds: Sequence[float], padded_to: Sequence[int] = ()) -> None:
         if len(sizes) < 2 or list(sizes) != sorted(set(sizes)) or sizes[0] != 1 or min(seconds) <= 0:
             raise ValueError("a cost curve needs increasing sizes starting at 1 and positive times")
         self.sizes = list(sizes)
         self.relative = [s / seconds[0] for s in seconds]
+        self.padded_to = list(padded_to)
 
     def __call__(self, tokens: int) -> float:
+        tokens = next((height for height in self.padded_to if height >= tokens), tokens)
         index = min(max(bisect_left(self.sizes, tokens), 1), len(self.sizes) - 1)
         k0, k1 = self.sizes[index - 1], self.sizes[index]
         t0, t1 = self.relative[index - 1], self.relative[index]
@@ -99,7 +102,9 @@ def _seconds(runner: HFModelRunner, packed_from: int | None, sizes: Sequence[int
              batch: int = 1) -> list[float]:
     runner.packed_from = packed_from
     decoding = runner.forward_seconds
-    seconds = [point.seconds for point in forward_cost(runner, context=128, sizes=tuple(sizes), repeats=3, batch=batch)]
+    with runner.eager():  # compiling every size up front would take minutes on a CPU; padding is priced below
+        seconds = [point.seconds for point in forward_cost(runner, context=128, sizes=tuple(sizes), repeats=3,
+                                                           batch=batch)]
     runner.forward_seconds = decoding  # measuring is not decoding: keep its forwards out of the profile
     return seconds
 
@@ -141,7 +146,7 @@ def cost_curve(runner: HFModelRunner) -> CostCurve:
     sizes, plain, packed = measured["sizes"], measured["plain"], measured["packed"]
     if plain is None or packed is None:
         runner.packed_from = None if packed is None else 1
-        return CostCurve(sizes, plain or packed)
+        return CostCurve(sizes, plain or packed, _padding(runner))
     faster = [p < q for p, q in zip(packed, plain)]
     runner.packed_from = next((k for i, k in enumerate(sizes) if all(faster[i:])), None)
     on = [runner.packed_from is not None and k >= runner.packed_from for k in sizes]
@@ -159,4 +164,8 @@ def batch_cost_curve(runner: HFModelRunner, batch: int) -> CostCurve:
     sizes = [h for h in CURVE_SIZES if batch * h <= max(128, 2 * batch)]
     measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}-{runner.packed_from}-b{batch}.json",
                        lambda: {"sizes": sizes, "seconds": _seconds(runner, runner.packed_from, sizes, batch)})
-    return CostCurve(measured["sizes"], measured["seconds"])
+    return CostCurve(measured["sizes"], measured["seconds"], _padding(runner))
+
+
+def _padding(runner: HFModelRunner) -> tuple[int, ...]:
+    return COMPILED_HEIGHTS if runner.compile else ()

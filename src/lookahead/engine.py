@@ -44,6 +44,7 @@ class GenerationStats:
     accepted_per_step: list[int] = field(default_factory=list, repr=False)
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted guess tokens per draft source
     window: int = 0  # columns of the lookahead window the step fed (the budget's choice under `budget`)
+    compile_seconds: float = 0.0  # compile=True: the first calls of each step height, which compiled it
     # Where the time went: prefill; per step, plan (drafts, budget, layout, packing), inputs (mask, moving
     # inputs), forward (the model), verify (verification, window and pool update), commit (KV store);
     # other: the rest (the loop itself, streamer).
@@ -69,6 +70,7 @@ class GenerationStats:
             "tokens_fed": self.tokens_fed,
             "accepted_by_source": dict(self.accepted_by_source),
             "window": self.window,
+            "compile_seconds": self.compile_seconds,
             "phase_seconds": dict(self.phase_seconds),
         }
 
@@ -126,14 +128,14 @@ class Engine:
     """Continuous batching. max_batch: requests decoded together (KV slots); more wait in a queue.
     max_length: the most positions (prompt + new tokens) of any request; None: the model's context,
     at most 4096. prefill_chunk: the most prompt tokens fed per step, so that a joining request delays
-    the others by at most one such forward per step. packed_linear: as in `generate`."""
+    the others by at most one such forward per step. packed_linear, compile: as in `generate`."""
 
     def __init__(self, model: PreTrainedModel, max_batch: int = 8, max_length: int | None = None,
-                 prefill_chunk: int = 512, packed_linear: bool | None = None) -> None:
+                 prefill_chunk: int = 512, packed_linear: bool | None = None, compile: bool = False) -> None:
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        self.runner = HFModelRunner(model, packed_linear=packed_linear)
+        self.runner = HFModelRunner(model, packed_linear=packed_linear, compile=compile)
         context = context_length(model)
         if max_length is None:
             max_length = min(context or 4096, 4096)
@@ -265,6 +267,7 @@ class Engine:
             stats = self._finish(request) if finished else None
             reports.append(StepOutput(request.id, tokens, finished, stats))
         self.stats.forward_seconds = self.runner.forward_seconds
+        self.stats.compile_seconds = sum(self.runner.compile_seconds.values())
         return reports
 
     def _plans(self, decoding: list[_Request]) -> list[StepPlan]:

@@ -31,6 +31,7 @@ def generate(
     eos_token_id: int | Iterable[int] | None = None,
     streamer=None,
     packed_linear: bool | None = None,
+    compile: bool = False,
     do_sample: bool = False,
     temperature: float | None = None,
     top_k: int | None = None,
@@ -61,7 +62,10 @@ def generate(
     eos_token_id: one id or several; None takes the model's generation config. streamer: any transformers
     streamer (one prompt only); it gets the prompt, then every committed token. packed_linear: run the
     model's linear layers on oneDNN-prepacked weights (CPU float32/bfloat16 only; None: for the step sizes
-    where that measured faster on this machine); see `hf.PackedLinears`.
+    where that measured faster on this machine); see `hf.PackedLinears`. compile: run decoding steps through
+    `torch.compile` of the model, padded to a few fixed heights (`hf.COMPILED_HEIGHTS`), each compiled on
+    first use (seconds to minutes per height on a CPU; a height whose compilation fails runs eagerly, with a
+    warning). Off by default: on our 2-core CPU it saves 2-5 ms of a 19-34 ms step (docs/benchmarks.md).
     """
     if config is not None and not isinstance(config, LookaheadConfig):
         raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")
@@ -72,7 +76,7 @@ def generate(
     if len(checked) > 1 and proposers:
         raise ValueError("proposers keep one sequence's state: pass one prompt, or no proposers")
     engine = Engine(model, max_batch=len(checked), max_length=max(p.numel() for p in checked) + max_new_tokens,
-                    packed_linear=packed_linear)
+                    packed_linear=packed_linear, compile=compile)
     params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
                            repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers))
     start = time.perf_counter()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -14,11 +15,14 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from .runtime.batch import StepBatch
+from .runtime.batch import StepBatch, pad_batch
 from .runtime.kv import KVStore
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# With compile=True, decoding steps are padded to one of these heights, so the compiled forward meets a
+# handful of shapes.
+COMPILED_HEIGHTS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class UnsupportedModelError(ValueError):
@@ -133,10 +137,19 @@ def _grouped_kv_heads() -> Iterator[None]:
             os.environ[_SDPA_GQA] = previous
 
 
+def _compiled_forward(model: PreTrainedModel):
+    """The model compiled for fixed shapes (one graph per step height and batch size, made on first use)."""
+    # Each height and batch size is a graph of its own: allow more than dynamo's default of 8 per function.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # Shapes are static but for the positions attended to (which grow every step) and the store's capacity:
+    # those are marked dynamic at each call, so one graph serves every length.
+    return torch.compile(model)
+
+
 class HFModelRunner:
     """Wraps a causal LM; all lookahead glue that knows about transformers lives here."""
 
-    def __init__(self, model: PreTrainedModel, packed_linear: bool | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, packed_linear: bool | None = None, compile: bool = False) -> None:
         check_model(model)
         config = model.config.get_text_config(decoder=True)
         self.layer_types: list[str] | None = getattr(config, "layer_types", None)
@@ -153,22 +166,39 @@ class HFModelRunner:
         self.forward_seconds = 0.0  # time spent inside the model's forward, for profiling
         if packed_linear and not PackedLinears.supported(model):
             raise ValueError("packed_linear=True needs a float32 or bfloat16 model on CPU with oneDNN (mkldnn) available")
+        if packed_linear and compile:
+            raise ValueError("packed_linear=True and compile=True cannot be combined: the compiled forward takes "
+                             "the model's own linear layers")
         # None: measure which path is faster here; `costs.cost_curve` decides and sets `packed_from`.
         self.packing: bool | None = packed_linear if packed_linear is not None else (
-            None if PackedLinears.supported(model) else False)
+            None if PackedLinears.supported(model) and not compile else False)
+        self.compile = compile
+        self._compiled = _compiled_forward(model) if compile else None
+        self._eager_heights: set[int] = set()  # heights whose compilation failed
+        self.compile_seconds: dict[int, float] = {}  # step height -> seconds of its first (compiling) call
         if self.packing is not False and model not in _PACKED:
             _PACKED[model] = PackedLinears(model)
         self._packed = _PACKED[model] if self.packing is not False else None
         self.packed_from: int | None = 1 if self.packing else None  # steps this long or longer run packed
 
-    def _forward(self, input_ids: torch.Tensor, **kwargs):
+    def _forward(self, input_ids: torch.Tensor, compiled: bool = False, **kwargs):
         start = time.perf_counter()
         packed = self._packed is not None and self.packed_from is not None and input_ids.numel() >= self.packed_from
         gqa = _grouped_kv_heads() if self.device.type == "cpu" else nullcontext()
         with self._packed.active() if packed else nullcontext(), gqa:
-            out = self.model(input_ids=input_ids, use_cache=True, **kwargs)
+            out = (self._compiled if compiled else self.model)(input_ids=input_ids, use_cache=True, **kwargs)
         self.forward_seconds += time.perf_counter() - start
         return out
+
+    @contextmanager
+    def eager(self) -> Iterator[None]:
+        """Run every forward eagerly inside (the cost curve is measured so: compiling every step size up
+        front would cost minutes on a CPU)."""
+        compiled, self._compiled = self._compiled, None
+        try:
+            yield
+        finally:
+            self._compiled = compiled
 
     @property
     def num_layers(self) -> int:
@@ -188,6 +218,11 @@ class HFModelRunner:
     def forward(self, store: KVStore, batch: StepBatch) -> torch.Tensor:
         """Run one packed step over `store`; the logits at `batch.logit_rows`, [B, len(logit_rows), vocab].
         The step's keys and values are written to the store; `store.keep`/`extend` decide what stays."""
+        height = self._compiled_height(store, batch)
+        if height is not None:
+            logits = self._forward_compiled(store, batch, height)
+            if logits is not None:
+                return logits
         store.begin(batch.slots, batch.height, batch.visible.shape[-1], self.device)
         kwargs = {"logits_to_keep": batch.logit_rows.to(self.device)} if self.keeps_some_logits else {}
         out = self._forward(
@@ -202,6 +237,49 @@ class HFModelRunner:
                 f"{type(self.model).__name__} did not write its keys and values through the cache it was given; "
                 "lookahead needs them in its KV store")
         return out.logits if self.keeps_some_logits else out.logits[:, batch.logit_rows.to(self.device)]
+
+    def _compiled_height(self, store: KVStore, batch: StepBatch) -> int | None:
+        """The padded height a step runs compiled at, or None to run it eagerly (compile off, the store not
+        allocated yet, a prefill chunk taller than any compiled height, no room left, compilation failed)."""
+        if self._compiled is None or not store.allocated():
+            return None
+        height = next((h for h in COMPILED_HEIGHTS if h >= batch.height), None)
+        if height is None or height in self._eager_heights:
+            return None
+        if max(store.lengths[slot] for slot in batch.slots) + height > store.capacity:
+            return None
+        return height
+
+    def _forward_compiled(self, store: KVStore, batch: StepBatch, height: int) -> torch.Tensor | None:
+        cached = [store.lengths[slot] for slot in batch.slots]
+        padded = pad_batch(batch, cached, height, max(cached) + height)
+        store.begin(padded.slots, height, padded.visible.shape[-1], self.device)
+        store.mark_dynamic()
+        mask = self._attention_mask(padded)
+        for tensor in mask.values() if isinstance(mask, dict) else [mask]:
+            torch._dynamo.maybe_mark_dynamic(tensor, 3)
+        first = height not in self.compile_seconds
+        start = time.perf_counter()
+        try:
+            out = self._forward(
+                input_ids=padded.tokens.to(self.device),
+                compiled=True,
+                position_ids=padded.positions.to(self.device),
+                attention_mask=mask,
+                **{self.cache_argument: store},
+                **({"logits_to_keep": 0} if self.keeps_some_logits else {}),
+            )
+        except Exception as error:  # noqa: BLE001 - any compiler failure: that height runs eagerly from now on
+            if not first:
+                raise
+            warnings.warn(f"torch.compile failed for steps of {height} rows; they run eagerly: "
+                          f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+                          RuntimeWarning, stacklevel=3)
+            self._eager_heights.add(height)
+            return None
+        if first:
+            self.compile_seconds[height] = time.perf_counter() - start
+        return out.logits[:, batch.logit_rows.to(self.device)]
 
     def _attention_mask(self, batch: StepBatch) -> torch.Tensor | dict[str, torch.Tensor]:
         full = self._additive(batch.visible)

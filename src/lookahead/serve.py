@@ -191,12 +191,13 @@ def _error(status: int, message: str, param: str | None, kind: str) -> JSONRespo
 
 def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_name: str = "lookahead",
                max_batch: int = 8, max_queue: int = 64, max_length: int | None = None,
-               api_keys: tuple[str, ...] = (), corpus_megabytes: int = 64) -> FastAPI:
+               api_keys: tuple[str, ...] = (), corpus_megabytes: int = 64, compile: bool = False) -> FastAPI:
     """The app: OpenAI's chat and text completions, models, health. Requests decode on one engine of
     `max_batch` slots; beyond `max_queue` waiting requests, new ones get 429. With `api_keys`, every
     request must carry one (`Authorization: Bearer KEY`); each key has a corpus of its own (the suffix
-    source drafts from earlier requests of the same key, never of another one)."""
-    engine = Engine(model, max_batch=max_batch, max_length=max_length)
+    source drafts from earlier requests of the same key, never of another one). compile: as in `generate`
+    (each step shape compiles during the first request that needs it)."""
+    engine = Engine(model, max_batch=max_batch, max_length=max_length, compile=compile)
     runner = EngineLoop(engine, max_queue)
     corpora: dict[str | None, Corpus] = {}
     @asynccontextmanager

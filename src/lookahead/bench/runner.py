@@ -29,15 +29,21 @@ class Method:
     name: str  # shown in the report: "greedy" (or "sample"), "pld", "plain", "lookahead-{config label}"
     kind: str  # "generate" (transformers), "pld" (transformers' prompt lookup), "plain" or "lookahead" (ours)
     config: LookaheadConfig | None = None
+    compile: bool = False  # ours, through `generate(compile=True)`
 
 
 def standard_methods(
-    configs: Iterable[LookaheadConfig], baselines: Iterable[str] = ("greedy", "pld", "plain"), sampling: bool = False
+    configs: Iterable[LookaheadConfig], baselines: Iterable[str] = ("greedy", "pld", "plain"), sampling: bool = False,
+    compile: bool = False,
 ) -> list[Method]:
-    """`baselines` from "greedy" (transformers' generate; shown as "sample" when sampling), "pld", "plain"."""
+    """`baselines` from "greedy" (transformers' generate; shown as "sample" when sampling), "pld", "plain".
+    compile: each of our methods also runs compiled, as "<name>-compiled"."""
     kinds = {"greedy": "generate", "pld": "pld", "plain": "plain"}
     methods = [Method("sample" if sampling and b == "greedy" else b, kinds[b]) for b in baselines]
     methods += [Method(f"lookahead-{c.label}", "lookahead", c) for c in configs]
+    if compile:
+        methods += [Method(f"{m.name}-compiled", m.kind, m.config, True) for m in methods
+                    if m.kind in ("plain", "lookahead")]
     return methods
 
 
@@ -96,7 +102,7 @@ def run_method(
         config = method.config or PLAIN_CONFIG
         if sampling is not None:
             options.update(do_sample=True, generator=torch.Generator().manual_seed(seed))
-        out = generate(model, input_ids, max_new_tokens=max_new_tokens, config=config, **options)
+        out = generate(model, input_ids, max_new_tokens=max_new_tokens, config=config, compile=method.compile, **options)
         s = out.stats
         return (out.sequences[0, prompt_len:].tolist(), s.steps, s.seconds, s.forward_seconds, s.tokens_fed,
                 s.phase_seconds, s.accepted_by_source, s.window)
@@ -158,10 +164,10 @@ def run_benchmark(
     The conversation of a second turn continues with transformers' answer (or the first method's)."""
     runs: list[Run] = []
     ties = TieMeter(model)
-    if prompts:  # warm-up: one short run per method, untimed
+    if prompts:  # warm-up: one short run per method, untimed (long enough for a compiled one to compile)
         warm = encode_prompt(tokenizer, prompts[0].turns[0], raw=prompts[0].raw)
         for method in methods:
-            run_method(model, method, warm, 4, sampling)
+            run_method(model, method, warm, 32 if method.compile else 4, sampling)
     for index, prompt in enumerate(prompts):
         shift = index % len(methods)
         order = methods[shift:] + methods[:shift]

@@ -89,3 +89,28 @@ def after_tokens(prefix: torch.Tensor, step: StepInput) -> StepInput:
     allowed[count:, count:] = step.allowed
     return StepInput(torch.cat([prefix, step.tokens]), torch.cat([torch.arange(count), step.offsets + count]),
                      allowed, step.logit_rows + count)
+
+
+
+def pad_batch(batch: StepBatch, cached: Sequence[int], height: int, attend: int) -> StepBatch:
+    """`batch` as a forward of fixed shape: `height` rows per sequence and `attend` key columns (`cached[b]`:
+    the positions sequence b has cached, after which its step's keys are written). The extra rows repeat
+    the sequence's last position and see only their own key, written after the step's rows where nothing
+    is kept; a compiled forward then meets a few shapes instead of one per step."""
+    count, rows, columns = batch.tokens.shape[0], batch.height, batch.visible.shape[-1]
+    starts = torch.tensor(cached, dtype=torch.long)
+    if height < rows or attend < columns or int(starts.max()) + height > attend:
+        raise ValueError(f"cannot pad a step of {rows} rows over {columns} columns to {height} x {attend}")
+    tokens = torch.zeros(count, height, dtype=torch.long)
+    tokens[:, :rows] = batch.tokens
+    positions = batch.positions[:, -1:].repeat(1, height)
+    positions[:, :rows] = batch.positions
+    visible = torch.zeros(count, height, attend, dtype=torch.bool)
+    visible[:, :rows, :columns] = batch.visible
+    key_positions = torch.zeros(count, attend, dtype=torch.long)
+    key_positions[:, :columns] = batch.key_positions
+    extra = torch.arange(rows, height)
+    own = starts[:, None] + extra  # [B, extra]: where each extra row's key is written
+    visible[torch.arange(count)[:, None], extra, own] = True
+    key_positions.scatter_(1, own, positions[:, rows:])
+    return StepBatch(batch.slots, tokens, positions, visible, key_positions, batch.logit_rows, batch.picks)

@@ -29,7 +29,9 @@ class KVStore(Cache):
         self.value_buffers: list[torch.Tensor | None] = [None] * num_layers
         self._rows: slice | torch.Tensor = slice(0, 0)  # the slots of this forward, in batch order
         self._write: torch.Tensor | None = None  # [B, 1, q, 1] position each new row is written at
-        self._attend = 0
+        # The positions attention reads, as the length of a tensor rather than an int: a compiled forward
+        # then takes it as a dynamic size instead of compiling again for every length.
+        self._span = torch.empty(0, dtype=torch.uint8)
 
     def begin(self, slots: Sequence[int], rows: int, attend: int, device: torch.device) -> None:
         """Set up a forward whose batch row b feeds `rows` rows for slot `slots[b]`; attention reads the
@@ -43,7 +45,7 @@ class KVStore(Cache):
         contiguous = list(slots) == list(range(first, first + len(slots)))
         self._rows = slice(first, first + len(slots)) if contiguous else torch.tensor(slots, device=device)
         self._write = (starts[:, None] + torch.arange(rows)).view(len(slots), 1, rows, 1).to(device)
-        self._attend = attend
+        self._span = torch.empty(attend, dtype=torch.uint8)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,10 +62,10 @@ class KVStore(Cache):
         if isinstance(self._rows, slice):  # the usual case: a view, written in place, read without a copy
             rows = buffer[self._rows]
             rows.scatter_(2, index, new)
-            return rows[:, :, : self._attend]
+            return rows[:, :, : self._span.shape[0]]
         heads = torch.arange(new.shape[1], device=new.device)
         buffer[self._rows[:, None, None], heads[None, :, None], self._write[:, :, :, 0]] = new
-        return buffer[self._rows, :, : self._attend]
+        return buffer[self._rows, :, : self._span.shape[0]]
 
     @torch.inference_mode()
     def keep(self, slot: int, kept: torch.Tensor) -> None:
@@ -91,6 +93,13 @@ class KVStore(Cache):
                 buffer[target, :, :length] = buffer[source, :, :length]
         self.lengths[target], self.lengths[source] = length, 0
 
+    def mark_dynamic(self) -> None:
+        """Tell torch.compile that the positions attended to and the capacity vary (one graph for all)."""
+        torch._dynamo.maybe_mark_dynamic(self._span, 0)
+        for buffer in (*self.key_buffers, *self.value_buffers):
+            if buffer is not None:
+                torch._dynamo.maybe_mark_dynamic(buffer, 2)
+
     def release(self, slot: int) -> None:
         self.lengths[slot] = 0
 
@@ -102,10 +111,10 @@ class KVStore(Cache):
         return buffer.device if buffer is not None else torch.device("cpu")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._attend
+        return self._span.shape[0]
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self._attend, 0
+        return self._span.shape[0], 0
 
 
 class _StoreLayer(CacheLayerMixin):

@@ -1,0 +1,118 @@
+"""`compile=True`: decoding steps padded to a few fixed heights over the whole KV store and run through
+`torch.compile` of the model. Padding must change nothing, the compiled path must be the one that runs,
+and a compiler failure must leave a warning and an eager run with the same output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model, reference_greedy, run_cli
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lookahead.hf
+from lookahead import LookaheadConfig, generate
+from lookahead.costs import CostCurve
+from lookahead.engine import Engine, RequestParams
+from lookahead.hf import COMPILED_HEIGHTS, HFModelRunner
+from lookahead.runtime.batch import StepInput, causal_step, pack_steps, pad_batch
+
+
+def _random_step(size: int, generator: torch.Generator) -> StepInput:
+    """A step of `size` rows: a random tree (each row attends a random earlier row's ancestors and itself)."""
+    parents = [-1] + [int(torch.randint(row, (1,), generator=generator)) for row in range(1, size)]
+    allowed = torch.eye(size, dtype=torch.bool)
+    depth = [0] * size
+    for row in range(1, size):
+        allowed[row] |= allowed[parents[row]]
+        depth[row] = depth[parents[row]] + 1
+    tokens = torch.randint(3, 128, (size,), generator=generator)
+    return StepInput(tokens, torch.tensor(depth), allowed, torch.arange(size))
+
+
+@settings(max_examples=100)  # each example runs three forwards
+@given(seed=st.integers(0, 2**16), sizes=st.lists(st.integers(1, 7), min_size=1, max_size=3))
+def test_padding_a_step_changes_no_logit(llama_tiny, seed, sizes):
+    """The real rows of a step padded to a taller height and to the store's whole capacity get the logits
+    they get unpadded (eager, so that only the padding differs), for sequences of different lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    runner = HFModelRunner(llama_tiny, packed_linear=False)
+    slots = list(range(len(sizes)))
+    lengths = [int(torch.randint(1, 20, (1,), generator=generator)) for _ in slots]
+    stores = [runner.new_store(len(slots), 64) for _ in range(2)]
+    prompts = [causal_step(torch.randint(3, 128, (n,), generator=generator)) for n in lengths]
+    for store in stores:
+        for slot, prompt in zip(slots, prompts):
+            runner.forward(store, pack_steps([slot], [0], [prompt]))
+            store.extend(slot, prompt.tokens.numel())
+    batch = pack_steps(slots, lengths, [_random_step(n, generator) for n in sizes])
+    plain = runner.forward(stores[0], batch)
+    padded = runner.forward(stores[1], pad_batch(batch, lengths, 8, 64))
+    torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_pad_batch_refuses_a_shape_it_cannot_reach():
+    batch = pack_steps([0], [10], [causal_step(torch.arange(3, 7))])
+    with pytest.raises(ValueError, match="cannot pad a step of 4 rows over 14 columns to 2 x 64"):
+        pad_batch(batch, [10], 2, 64)
+    with pytest.raises(ValueError, match="to 8 x 16"):
+        pad_batch(batch, [10], 8, 16)  # 10 cached + 8 rows do not fit 16 columns
+
+
+@pytest.mark.slow  # compiling takes seconds per step shape
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_compiled_steps_give_greedy_generate_output(family):
+    """Greedy decoding through the compiled forward, with lookahead (auto, and a fixed tree with a window)
+    in a batch of two prompts of different lengths, equals transformers' `generate` of each; the compiled
+    heights are the ones that ran."""
+    model = make_tiny_model(family)
+    engine = Engine(model, max_batch=2, max_length=64, compile=True)
+    prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 14)]
+    configs = [None, LookaheadConfig(window=3, ngram=3, guesses=3)]
+    ids = {engine.add_request(p, RequestParams(30, config)): (p, config) for p, config in zip(prompts, configs)}
+    outputs: dict[int, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id].extend(output.tokens)
+    for request_id, (prompt, config) in ids.items():
+        expected = reference_greedy(model, prompt.view(1, -1), 30)[0, prompt.numel():].tolist()
+        assert outputs[request_id] == expected, (family, config)
+    assert engine.runner.compile_seconds and set(engine.runner.compile_seconds) <= set(COMPILED_HEIGHTS)
+    assert engine.stats.compile_seconds == pytest.approx(sum(engine.runner.compile_seconds.values()))
+
+
+def test_a_compiler_failure_warns_and_runs_eagerly(llama_tiny, monkeypatch):
+    def failing(model):
+        def forward(**kwargs):
+            raise RuntimeError("no compiler here")
+        return forward
+
+    monkeypatch.setattr(lookahead.hf, "_compiled_forward", failing)
+    prompt = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(3))
+    with pytest.warns(RuntimeWarning, match="torch.compile failed for steps of 1 rows; they run eagerly: "
+                                            "RuntimeError: no compiler here"):
+        out = generate(llama_tiny, prompt, max_new_tokens=12, config=LookaheadConfig(window=0, guesses=0),
+                       compile=True)
+    assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 12))
+
+
+def test_compile_and_packed_linears_do_not_mix(llama_tiny):
+    with pytest.raises(ValueError, match="packed_linear=True and compile=True cannot be combined"):
+        HFModelRunner(llama_tiny, packed_linear=True, compile=True)
+
+
+def test_the_budget_prices_a_step_at_its_padded_height():
+    curve = CostCurve([1, 2, 4, 8], [1.0, 1.1, 1.3, 2.0], padded_to=(1, 2, 4, 8))
+    assert curve(3) == curve(4) == pytest.approx(1.3)
+    assert curve(5) == pytest.approx(2.0)
+    assert CostCurve([1, 2, 4, 8], [1.0, 1.1, 1.3, 2.0])(3) == pytest.approx(1.2)
+
+
+@pytest.mark.slow
+def test_cli_generate_compiles_and_says_how_long_it_took(tiny_dir):
+    result = run_cli("generate", "def add(a, b):", "--raw", "--model", tiny_dir, "--max-new-tokens", "6",
+                     "--window", "0", "--guesses", "0", "--compile")
+    assert result.returncode == 0, result.stderr
+    assert "[6 new tokens," in result.stdout and "s of it compiling" in result.stdout
+    refused = run_cli("generate", "hello", "--model", tiny_dir, "--compile", "--workers", "2")
+    assert refused.returncode == 2 and "--compile runs in one process" in refused.stderr
