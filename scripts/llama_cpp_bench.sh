@@ -6,9 +6,9 @@
 #
 #   bash scripts/llama_cpp_bench.sh [threads] [out]   # llama-bench's table, then ours side by side
 #
-# In the same run it then decodes with our plain loop and lookahead (`auto`) in float32 and with int4
-# weights (`--dtype int4`), 8 MT-bench prompts of 256 new tokens, and prints each against llama.cpp's
-# Q4_1 and F32 figures (results under [out], default docs/bench/llama_cpp).
+# In the same run it then decodes with our plain loop and lookahead (`auto`), eager and compiled, in
+# float32 and with int4 weights (`--dtype int4`), 8 MT-bench prompts of 256 new tokens, and prints each
+# against llama.cpp's Q4_1 and F32 figures (results under [out], default docs/bench/llama_cpp).
 #
 # Needs cmake and a C++ compiler; the build (a few minutes) and the converted files are kept for reruns.
 set -euo pipefail
@@ -48,7 +48,7 @@ mkdir -p "$OUT"
   -t "$THREADS" -p 0 -n 256 -d 128 -r 3 -o json > "$OUT/llama_bench.json"
 for dtype in float32 int4; do
   .venv/bin/lookahead bench --dataset mt_bench --limit 8 --max-new-tokens 256 --baselines plain --config auto \
-    --dtype "$dtype" --threads "$THREADS" --out "$OUT/ours-$dtype" > /dev/null
+    --compile --dtype "$dtype" --threads "$THREADS" --out "$OUT/ours-$dtype" > /dev/null
 done
 $PY - "$OUT" <<'PY'
 import json, sys
@@ -62,7 +62,7 @@ lines = ["| llama.cpp, plain | tokens/s |", "|---|---|"] + [f"| {k} | {v:.1f} |"
 lines += ["", "| ours | tokens/s | tokens/step | vs llama.cpp Q4_1 | vs llama.cpp F32 |", "|---|---|---|---|---|"]
 for dtype in ("float32", "int4"):
     runs = json.loads((out / f"ours-{dtype}" / "results.json").read_text())["runs"]
-    for method in ("plain", "lookahead-auto"):
+    for method in ("plain", "lookahead-auto", "plain-compiled", "lookahead-auto-compiled"):
         mine = [r for r in runs if r["method"] == method]
         tokens, seconds, steps = (sum(r[k] for r in mine) for k in ("new_tokens", "seconds", "steps"))
         speed = tokens / seconds
