@@ -5,8 +5,9 @@ but no internet and nothing of ours installed, within a few minutes. Writes gpu_
    models built from configs (a tiny Llama, SmolLM2-135M's shape, Llama-3.2-1B's shape), float32, with the
    automatic config and W5 N4 G5; a divergence is reported with the reference's top-2 logit gap there.
 2. T(k), k = 1..128 new tokens over a 256-token context: our step (custom 4-D mask, our KV store) in eager
-   mode; transformers' forward over a static cache, eager and compiled with CUDA graphs
-   (torch.compile mode="reduce-overhead"), for the 135M shape (float32) and the 1B and 7B shapes (bfloat16).
+   mode and compiled (`compile=True`: padded heights, inductor); transformers' forward over a static cache,
+   eager and compiled with CUDA graphs (torch.compile mode="reduce-overhead"), for the 135M shape (float32)
+   and the 1B and 7B shapes (bfloat16).
 3. The projected speedup of lookahead per mode: tokens/step(k) x T(1) / T(k), with tokens/step(k) from the
    fit measured on CPU with the real model (docs/bench/sweep/sweep.json: a + b ln k), best k reported.
 
@@ -141,8 +142,11 @@ def cost_curves(device: str, shapes: list[tuple[str, torch.dtype]], compiled: bo
                                                                              sizes=SIZES, repeats=5)}),
             ("hf_static_eager", lambda: static_costs(model, device, False, 5)),
             ("hf_static_cuda_graphs", lambda: static_costs(model, device, True, 5)),
+            # generate(compile=True)'s path: padded heights through torch.compile (inductor, no CUDA graphs)
+            ("ours_compiled", lambda: {p.tokens: p.seconds for p in forward_cost(
+                HFModelRunner(model, compile=True), context=CONTEXT, sizes=SIZES, repeats=5)}),
         ):
-            if mode == "hf_static_cuda_graphs" and (not compiled or time.time() > deadline):
+            if mode in ("hf_static_cuda_graphs", "ours_compiled") and (not compiled or time.time() > deadline):
                 row[mode] = "skipped"
                 continue
             try:
