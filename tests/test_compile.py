@@ -4,6 +4,8 @@ and a compiler failure must leave a warning and an eager run with the same outpu
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import make_tiny_model, reference_greedy, run_cli
@@ -116,3 +118,15 @@ def test_cli_generate_compiles_and_says_how_long_it_took(tiny_dir):
     assert "[6 new tokens," in result.stdout and "s of it compiling" in result.stdout
     refused = run_cli("generate", "hello", "--model", tiny_dir, "--compile", "--workers", "2")
     assert refused.returncode == 2 and "--compile runs in one process" in refused.stderr
+
+
+@pytest.mark.slow
+def test_bench_runs_each_of_our_methods_also_compiled(tiny_dir, tmp_path):
+    result = run_cli("bench", "--model", tiny_dir, "--dataset", "humaneval", "--raw", "--limit", "1",
+                     "--max-new-tokens", "6", "--baselines", "greedy,plain", "--config", "0,3,2", "--compile",
+                     "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert {r["method"] for r in runs} == {"greedy", "plain", "lookahead-W0N3G2", "plain-compiled",
+                                           "lookahead-W0N3G2-compiled"}
+    assert all(r["identical"] is True for r in runs)  # compiled or not, token-identical to greedy
