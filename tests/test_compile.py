@@ -1,5 +1,5 @@
-"""`compile=True`: decoding steps padded to a few fixed heights over the whole KV store and run through
-`torch.compile` of the model. Padding must change nothing, the compiled path must be the one that runs,
+"""`compile=True`: decoding steps padded to a few fixed heights (the attended length a dynamic size) and
+run through `torch.compile` of the model. Padding must change nothing, the compiled path must be the one that runs,
 and a compiler failure must leave a warning and an eager run with the same output."""
 
 from __future__ import annotations
