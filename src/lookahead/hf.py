@@ -218,57 +218,46 @@ class HFModelRunner:
     def forward(self, store: KVStore, batch: StepBatch) -> torch.Tensor:
         """Run one packed step over `store`; the logits at `batch.logit_rows`, [B, len(logit_rows), vocab].
         The step's keys and values are written to the store; `store.keep`/`extend` decide what stays."""
-        height = self._compiled_height(store, batch)
-        if height is not None:
-            logits = self._forward_compiled(store, batch, height)
+        if self._compiled is not None and store.allocated():
+            logits = self._forward_compiled(store, batch)
             if logits is not None:
                 return logits
         store.begin(batch.slots, batch.height, batch.visible.shape[-1], self.device)
-        kwargs = {"logits_to_keep": batch.logit_rows.to(self.device)} if self.keeps_some_logits else {}
-        out = self._forward(
-            input_ids=batch.tokens.to(self.device),
-            position_ids=batch.positions.to(self.device),
-            attention_mask=self._attention_mask(batch),
-            **{self.cache_argument: store},
-            **kwargs,
-        )
+        out = self._call(store, batch, logits_to_keep=batch.logit_rows.to(self.device))
         if not store.allocated():
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} did not write its keys and values through the cache it was given; "
                 "lookahead needs them in its KV store")
         return out.logits if self.keeps_some_logits else out.logits[:, batch.logit_rows.to(self.device)]
 
-    def _compiled_height(self, store: KVStore, batch: StepBatch) -> int | None:
-        """The padded height a step runs compiled at, or None to run it eagerly (compile off, the store not
-        allocated yet, a prefill chunk taller than any compiled height, no room left, compilation failed)."""
-        if self._compiled is None or not store.allocated():
-            return None
-        height = next((h for h in COMPILED_HEIGHTS if h >= batch.height), None)
-        if height is None or height in self._eager_heights:
-            return None
-        if max(store.lengths[slot] for slot in batch.slots) + height > store.capacity:
-            return None
-        return height
+    def _call(self, store: KVStore, batch: StepBatch, logits_to_keep: torch.Tensor | int, compiled: bool = False):
+        """The model's forward over `batch` (set up on `store` by `store.begin`), eager or compiled."""
+        mask = self._attention_mask(batch)
+        if compiled:  # the attended length varies from step to step: one graph for all of them
+            for tensor in mask.values() if isinstance(mask, dict) else [mask]:
+                torch._dynamo.maybe_mark_dynamic(tensor, 3)
+        return self._forward(
+            input_ids=batch.tokens.to(self.device),
+            compiled=compiled,
+            position_ids=batch.positions.to(self.device),
+            attention_mask=mask,
+            **{self.cache_argument: store},
+            **({"logits_to_keep": logits_to_keep} if self.keeps_some_logits else {}),
+        )
 
-    def _forward_compiled(self, store: KVStore, batch: StepBatch, height: int) -> torch.Tensor | None:
+    def _forward_compiled(self, store: KVStore, batch: StepBatch) -> torch.Tensor | None:
+        """The step padded to a compiled height and run compiled; None where it must run eagerly (a prefill
+        chunk taller than any compiled height, no room left in the store, that height failed to compile)."""
+        height = next((h for h in COMPILED_HEIGHTS if h >= batch.height), None)
         cached = [store.lengths[slot] for slot in batch.slots]
+        if height is None or height in self._eager_heights or max(cached) + height > store.capacity:
+            return None
         padded = pad_batch(batch, cached, height, max(cached) + height)
         store.begin(padded.slots, height, padded.visible.shape[-1], self.device)
-        store.mark_dynamic()
-        mask = self._attention_mask(padded)
-        for tensor in mask.values() if isinstance(mask, dict) else [mask]:
-            torch._dynamo.maybe_mark_dynamic(tensor, 3)
         first = height not in self.compile_seconds
         start = time.perf_counter()
         try:
-            out = self._forward(
-                input_ids=padded.tokens.to(self.device),
-                compiled=True,
-                position_ids=padded.positions.to(self.device),
-                attention_mask=mask,
-                **{self.cache_argument: store},
-                **({"logits_to_keep": 0} if self.keeps_some_logits else {}),
-            )
+            out = self._call(store, padded, logits_to_keep=0, compiled=True)  # 0: every row's logits
         except Exception as error:  # noqa: BLE001 - any compiler failure: that height runs eagerly from now on
             if not first:
                 raise

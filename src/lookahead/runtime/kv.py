@@ -29,8 +29,8 @@ class KVStore(Cache):
         self.value_buffers: list[torch.Tensor | None] = [None] * num_layers
         self._rows: slice | torch.Tensor = slice(0, 0)  # the slots of this forward, in batch order
         self._write: torch.Tensor | None = None  # [B, 1, q, 1] position each new row is written at
-        # The positions attention reads, as the length of a tensor rather than an int: a compiled forward
-        # then takes it as a dynamic size instead of compiling again for every length.
+        # The positions attention reads, as the length of a tensor rather than an int, marked dynamic (as is
+        # every buffer's capacity): a compiled forward takes them as sizes instead of compiling per length.
         self._span = torch.empty(0, dtype=torch.uint8)
 
     def begin(self, slots: Sequence[int], rows: int, attend: int, device: torch.device) -> None:
@@ -46,6 +46,7 @@ class KVStore(Cache):
         self._rows = slice(first, first + len(slots)) if contiguous else torch.tensor(slots, device=device)
         self._write = (starts[:, None] + torch.arange(rows)).view(len(slots), 1, rows, 1).to(device)
         self._span = torch.empty(attend, dtype=torch.uint8)
+        torch._dynamo.maybe_mark_dynamic(self._span, 0)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +55,8 @@ class KVStore(Cache):
             self.key_buffers[layer_idx] = key_states.new_zeros(shape)
             self.value_buffers[layer_idx] = value_states.new_zeros(
                 (self.slots, value_states.shape[1], self.capacity, value_states.shape[-1]))
+            torch._dynamo.maybe_mark_dynamic(self.key_buffers[layer_idx], 2)
+            torch._dynamo.maybe_mark_dynamic(self.value_buffers[layer_idx], 2)
         return (self._write_and_read(self.key_buffers[layer_idx], key_states),
                 self._write_and_read(self.value_buffers[layer_idx], value_states))
 
@@ -92,13 +95,6 @@ class KVStore(Cache):
             if buffer is not None:
                 buffer[target, :, :length] = buffer[source, :, :length]
         self.lengths[target], self.lengths[source] = length, 0
-
-    def mark_dynamic(self) -> None:
-        """Tell torch.compile that the positions attended to and the capacity vary (one graph for all)."""
-        torch._dynamo.maybe_mark_dynamic(self._span, 0)
-        for buffer in (*self.key_buffers, *self.value_buffers):
-            if buffer is not None:
-                torch._dynamo.maybe_mark_dynamic(buffer, 2)
 
     def release(self, slot: int) -> None:
         self.lengths[slot] = 0
