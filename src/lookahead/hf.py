@@ -142,8 +142,9 @@ def _compiled_forward(model: PreTrainedModel):
     # Each height and batch size is a graph of its own: allow more than dynamo's default of 8 per function.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # Shapes are static but for the positions attended to (which grow every step) and the store's capacity:
-    # those are marked dynamic at each call, so one graph serves every length.
-    return torch.compile(model)
+    # those are marked dynamic at each call, so one graph serves every length. Without size asserts: the
+    # generated code would check every kernel's output shape in Python, about 1,000 checks a step.
+    return torch.compile(model, options={"size_asserts": False})
 
 
 class HFModelRunner:
