@@ -130,3 +130,34 @@ def test_bench_runs_each_of_our_methods_also_compiled(tiny_dir, tmp_path):
     assert {r["method"] for r in runs} == {"greedy", "plain", "lookahead-W0N3G2", "plain-compiled",
                                            "lookahead-W0N3G2-compiled"}
     assert all(r["identical"] is True for r in runs)  # compiled or not, token-identical to greedy
+
+
+def test_a_time_above_a_taller_steps_time_is_noise_and_is_lowered_to_it():
+    assert CostCurve([1, 2, 4, 8], [3.0, 2.0, 5.0, 4.0]).relative == [1.0, 1.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("compiled, expected", [(4.0, [1.0, 1.25, 1.75, 3.5]), (None, [1.0, 1.1, 1.3, 2.0])],
+                         ids=["compiled", "compile-failed"])
+def test_a_compiled_runner_prices_steps_by_the_eager_curve_less_what_compiling_saves(
+        llama_tiny, monkeypatch, tmp_path, compiled, expected):
+    """Measured: the eager curve (10, 11, 13, 20 ms here) and one compiled one-row step (4 ms: compiling
+    saves 6 ms a step at every height); where the step fails to compile, the eager curve."""
+    import lookahead.costs as costs
+
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs, "_MEASURED", {})  # nothing measured before this test
+    monkeypatch.setattr(costs, "CURVE_SIZES", (1, 2, 4, 8))
+    monkeypatch.setattr(costs, "_seconds", lambda runner, packed_from, sizes=(), batch=1: [10.0, 11.0, 13.0, 20.0])
+    monkeypatch.setattr(costs, "_compiled_step", lambda runner, batch: compiled)
+    curve = costs.cost_curve(HFModelRunner(llama_tiny, compile=True))
+    assert curve.relative == pytest.approx(expected) and curve.padded_to == list(COMPILED_HEIGHTS)
+    assert costs.cost_curve(HFModelRunner(llama_tiny)).relative == pytest.approx([1.0, 1.1, 1.3, 2.0])
+
+
+@pytest.mark.slow  # compiles a one-row step
+def test_the_compiled_step_is_measured_through_the_compiled_forward(llama_tiny, monkeypatch, tmp_path):
+    import lookahead.costs as costs
+
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    runner = HFModelRunner(llama_tiny, compile=True)
+    assert costs._compiled_step(runner, 1) > 0 and list(runner.compile_seconds) == [1]

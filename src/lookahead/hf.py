@@ -191,6 +191,10 @@ class HFModelRunner:
         self.forward_seconds += time.perf_counter() - start
         return out
 
+    def runs_compiled(self, height: int) -> bool:
+        """Whether steps padded to `height` rows run compiled (compile on, and that height compiled or not tried)."""
+        return self.compile and height not in self._eager_heights
+
     @contextmanager
     def eager(self) -> Iterator[None]:
         """Run every forward eagerly inside (the cost curve is measured so: compiling every step size up
