@@ -161,3 +161,21 @@ def test_the_compiled_step_is_measured_through_the_compiled_forward(llama_tiny, 
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
     runner = HFModelRunner(llama_tiny, compile=True)
     assert costs._compiled_step(runner, 1) > 0 and list(runner.compile_seconds) == [1]
+
+
+@pytest.mark.slow  # compiles the batch shapes of a tiny model
+def test_the_batch_and_server_benchmarks_compile_our_engines(tiny_dir, tmp_path):
+    result = run_cli("bench", "--model", tiny_dir, "--batch-size", "1,3", "--limit", "3", "--max-new-tokens", "8",
+                     "--config", "0,3,2", "--compile", "--out", str(tmp_path / "batch"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "batch" / "results.json").read_text())
+    assert report["environment"]["compiled engines"] is True
+    assert [r["identical"] for r in report["runs"] if r["method"] == "lookahead"] == [True, True]
+    served = run_cli("bench", "serve", "--model", tiny_dir, "--clients", "2", "--requests", "3",
+                     "--max-new-tokens", "8", "--compile", "--out", str(tmp_path / "serve"))
+    assert served.returncode == 0, served.stderr
+    report = json.loads((tmp_path / "serve" / "results.json").read_text())
+    assert report["environment"]["compiled"] is True
+    assert [r["failed"] for r in report["runs"]] == [0, 0] and report["runs"][1]["identical"] == 3
+    refused = run_cli("bench", "serve", "--url", "http://127.0.0.1:9", "--compile")
+    assert refused.returncode == 2 and "lookahead serve --compile" in refused.stderr

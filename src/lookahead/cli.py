@@ -307,7 +307,7 @@ def bench_command(
     threads: ThreadsOption = None,
     out: OutOption = None,
     profile: Annotated[bool, typer.Option("--profile", help="Print where each method's time goes.")] = False,
-    compile: Annotated[bool, typer.Option("--compile", help="Also run each of our methods compiled (generate(compile=True)), as <name>-compiled.")] = False,
+    compile: Annotated[bool, typer.Option("--compile", help="Also run each of our methods compiled (generate(compile=True)), as <name>-compiled; with --batch-size, our engines compile instead.")] = False,
     sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding, in every method.")] = False,
     temperature: Annotated[float, typer.Option(help="With --sample.")] = 1.0,
     top_k: TopKOption = None,
@@ -333,8 +333,8 @@ def bench_command(
             task = progress.add_task("batch sizes", total=len(sizes) * 3, last="")
             runs = batch_runs(lm, inputs, sizes, max_new_tokens, configs[0] if configs else AUTO_CONFIG,
                               on_run=lambda r: progress.update(task, advance=1, last=f"B={r.batch_size} {r.method} "
-                                                               f"{r.tokens_per_second:.1f} tok/s"))
-        env = environment(lm)
+                                                               f"{r.tokens_per_second:.1f} tok/s"), compile=compile)
+        env = {**environment(lm), "compiled engines": compile}
         print(batch_table(runs))
         print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
         if out is not None:
@@ -477,6 +477,7 @@ def bench_serve_command(
     dtype: DtypeOption = "float32",
     threads: ThreadsOption = None,
     out: OutOption = None,
+    compile: Annotated[bool, typer.Option("--compile", help="Without --url: the server compiles its decoding steps (as `serve --compile`).")] = False,
 ) -> None:
     """Load a server with concurrent streaming chat clients, lookahead on then off: TTFT, inter-token
     latency, throughput, failures."""
@@ -494,6 +495,9 @@ def bench_serve_command(
                                                                f"{r.tokens_per_second:.1f} tok/s"))
 
     if url is not None:
+        if compile:
+            raise typer.BadParameter("compiling is the server's choice: start it with `lookahead serve --compile`",
+                                     param_hint="--compile")
         base = url.rstrip("/")
         name = served_model or _served_model(base, api_key)
         runs = measure(base, name, api_key)
@@ -502,10 +506,10 @@ def bench_serve_command(
         lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
         name = model or DEFAULT_MODEL_NAME
         server_app = create_app(lm, tokenizer, model_name=name, max_batch=max_batch or clients,
-                                max_queue=max(requests or 2 * clients, clients))
+                                max_queue=max(requests or 2 * clients, clients), compile=compile)
         with serve_in_thread(server_app) as base:
             runs = measure(base, name, None)
-        env = {**environment(lm), "max_batch": max_batch or clients}
+        env = {**environment(lm), "max_batch": max_batch or clients, "compiled": compile}
     env.update(clients=clients, max_new_tokens=max_new_tokens, dataset=dataset)
     print(load_table(runs))
     print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))

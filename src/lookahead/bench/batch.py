@@ -62,11 +62,12 @@ def _transformers_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor],
 
 
 def _engine(model: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tokens: int, config: LookaheadConfig,
-            batch_size: int) -> tuple[list[list[int]], float, list[float], int]:
+            batch_size: int, compile: bool = False) -> tuple[list[list[int]], float, list[float], int]:
     """Every prompt queued on one engine of `batch_size` slots: outputs, seconds, latencies (from a request's
     admission to its last token), and the steps of the requests summed."""
     start = time.perf_counter()
-    engine = Engine(model, max_batch=batch_size, max_length=max(p.numel() for p in prompts) + max_new_tokens)
+    engine = Engine(model, max_batch=batch_size, max_length=max(p.numel() for p in prompts) + max_new_tokens,
+                    compile=compile)
     params = RequestParams(max_new_tokens=max_new_tokens, config=config)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
     outputs: dict[int, list[int]] = {i: [] for i in ids}
@@ -82,16 +83,21 @@ def _engine(model: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tok
 
 def batch_runs(model: PreTrainedModel, prompts: Sequence[torch.Tensor], batch_sizes: Sequence[int],
                max_new_tokens: int, config: LookaheadConfig = AUTO_CONFIG,
-               on_run: Callable[[BatchRun], None] | None = None) -> list[BatchRun]:
-    """For each batch size, every prompt once per method, the three methods one after another."""
-    Engine(model, max_batch=max(batch_sizes))  # measures the cost curves of every batch size, once
+               on_run: Callable[[BatchRun], None] | None = None, compile: bool = False) -> list[BatchRun]:
+    """For each batch size, every prompt once per method, the three methods one after another. `compile`: our
+    engines compile their steps; each batch size is first decoded briefly by both, so that compiling the
+    step shapes it needs is not timed."""
+    Engine(model, max_batch=max(batch_sizes), compile=compile)  # measures the cost curves of every batch size, once
     runs = []
     for size in batch_sizes:
+        if compile:
+            for warm_up in (PLAIN_CONFIG, config):
+                _engine(model, prompts[:size], min(max_new_tokens, 32), warm_up, size, compile)
         totals = {m: {"tokens": 0, "seconds": 0.0, "latency": 0.0, "steps": 0} for m in METHODS}
         results = {"transformers": [(*_transformers_batch(model, prompts[i: i + size], max_new_tokens), None)
                                     for i in range(0, len(prompts), size)],
-                   "plain": [_engine(model, prompts, max_new_tokens, PLAIN_CONFIG, size)],
-                   "lookahead": [_engine(model, prompts, max_new_tokens, config, size)]}
+                   "plain": [_engine(model, prompts, max_new_tokens, PLAIN_CONFIG, size, compile)],
+                   "lookahead": [_engine(model, prompts, max_new_tokens, config, size, compile)]}
         identical = results["lookahead"][0][0] == results["plain"][0][0]
         for method, parts in results.items():
             for outputs, seconds, latencies, steps in parts:

@@ -136,11 +136,12 @@ def load_run(url: str, model: str, prompts: Sequence[str], clients: int, max_tok
 def serve_load(url: str, model: str, prompts: Sequence[str], clients: int, max_tokens: int,
                api_key: str | None = None, time_limit: float = 600.0,
                on_run: Callable[[LoadRun], None] | None = None) -> list[LoadRun]:
-    """Lookahead on, then off, against one server; each mode is warmed up by one request first. The "auto"
-    run counts its replies that equal the "off" reply to the same prompt."""
+    """Lookahead on, then off, against one server; each mode is warmed up first by `clients` concurrent short
+    requests (a server that compiles its steps compiles the batch shapes then, not while measured). The
+    "auto" run counts its replies that equal the "off" reply to the same prompt."""
     runs, texts = {}, {}
     for mode in MODES:
-        stream_chat(url, model, WARM_UP, 8, mode, api_key, timeout=120)
+        load_run(url, model, [WARM_UP] * clients, clients, 8, mode, api_key, time_limit)
         runs[mode], results = load_run(url, model, prompts, clients, max_tokens, mode, api_key, time_limit)
         texts[mode] = {r.prompt: r.text for r in results if r.error is None}
         if on_run is not None:
