@@ -136,12 +136,14 @@ def load_run(url: str, model: str, prompts: Sequence[str], clients: int, max_tok
 def serve_load(url: str, model: str, prompts: Sequence[str], clients: int, max_tokens: int,
                api_key: str | None = None, time_limit: float = 600.0,
                on_run: Callable[[LoadRun], None] | None = None) -> list[LoadRun]:
-    """Lookahead on, then off, against one server; each mode is warmed up first by `clients` concurrent short
-    requests (a server that compiles its steps compiles the batch shapes then, not while measured). The
-    "auto" run counts its replies that equal the "off" reply to the same prompt."""
+    """Lookahead on, then off, against one server; each mode is warmed up first by two waves of `clients`
+    concurrent short requests of different lengths, so that sequences join and leave a running batch (a
+    server that compiles its steps compiles the shapes that meets then, not while measured). The "auto" run
+    counts its replies that equal the "off" reply to the same prompt."""
     runs, texts = {}, {}
+    warm_up = [" ".join([WARM_UP] * (1 + i % 3)) for i in range(2 * clients)]
     for mode in MODES:
-        load_run(url, model, [WARM_UP] * clients, clients, 8, mode, api_key, time_limit)
+        load_run(url, model, warm_up, clients, 8, mode, api_key, time_limit)
         runs[mode], results = load_run(url, model, prompts, clients, max_tokens, mode, api_key, time_limit)
         texts[mode] = {r.prompt: r.text for r in results if r.error is None}
         if on_run is not None:
