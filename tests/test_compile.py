@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import lookahead.hf
 from lookahead import LookaheadConfig, generate
+from lookahead.config import PLAIN_CONFIG
 from lookahead.costs import CostCurve
 from lookahead.engine import Engine, RequestParams
 from lookahead.hf import COMPILED_HEIGHTS, HFModelRunner
@@ -33,24 +34,29 @@ def _random_step(size: int, generator: torch.Generator) -> StepInput:
 
 
 @settings(max_examples=100)  # each example runs three forwards
-@given(seed=st.integers(0, 2**16), sizes=st.lists(st.integers(1, 7), min_size=1, max_size=3))
-def test_padding_a_step_changes_no_logit(llama_tiny, seed, sizes):
-    """The real rows of a step padded to a taller height and to the store's whole capacity get the logits
-    they get unpadded (eager, so that only the padding differs), for sequences of different lengths."""
+@given(seed=st.integers(0, 2**16), sizes=st.lists(st.integers(1, 7), min_size=1, max_size=3),
+       others=st.integers(0, 2), order=st.randoms())
+def test_padding_a_step_changes_no_logit(llama_tiny, seed, sizes, others, order):
+    """The real rows of a step padded to a taller height, to the store's whole capacity and to the first
+    slots (other sequences' slots, and empty ones, getting padding rows only) get the logits they get
+    unpadded (eager, so that only the padding differs), for sequences of different lengths in any slots."""
     generator = torch.Generator().manual_seed(seed)
     runner = HFModelRunner(llama_tiny, packed_linear=False)
-    slots = list(range(len(sizes)))
-    lengths = [int(torch.randint(1, 20, (1,), generator=generator)) for _ in slots]
-    stores = [runner.new_store(len(slots), 64) for _ in range(2)]
+    every = list(range(len(sizes) + others))
+    lengths = [int(torch.randint(1, 20, (1,), generator=generator)) for _ in every]
+    stores = [runner.new_store(len(every), 64) for _ in range(2)]
     prompts = [causal_step(torch.randint(3, 128, (n,), generator=generator)) for n in lengths]
     for store in stores:
-        for slot, prompt in zip(slots, prompts):
+        for slot, prompt in zip(every, prompts):
             runner.forward(store, pack_steps([slot], [0], [prompt]))
             store.extend(slot, prompt.tokens.numel())
-    batch = pack_steps(slots, lengths, [_random_step(n, generator) for n in sizes])
+        store.release(every[-1])  # an empty slot: padded, or starting a sequence
+    lengths[-1] = 0
+    slots = order.sample(every, len(sizes))
+    batch = pack_steps(slots, [lengths[s] for s in slots], [_random_step(n, generator) for n in sizes])
     plain = runner.forward(stores[0], batch)
-    padded = runner.forward(stores[1], pad_batch(batch, lengths, 8, 64))
-    torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
+    padded = runner.forward(stores[1], pad_batch(batch, lengths, 8, 64, every))
+    torch.testing.assert_close(padded[torch.tensor(slots)], plain, rtol=1e-5, atol=1e-5)
 
 
 def test_pad_batch_refuses_a_shape_it_cannot_reach():
@@ -59,6 +65,8 @@ def test_pad_batch_refuses_a_shape_it_cannot_reach():
         pad_batch(batch, [10], 2, 64)
     with pytest.raises(ValueError, match="to 8 x 16"):
         pad_batch(batch, [10], 8, 16)  # 10 cached + 8 rows do not fit 16 columns
+    with pytest.raises(ValueError, match="over slots"):
+        pad_batch(batch, [10], 8, 64, slots=[1])  # the slots must include the batch's
 
 
 @pytest.mark.slow  # compiling takes seconds per step shape
@@ -179,3 +187,29 @@ def test_the_batch_and_server_benchmarks_compile_our_engines(tiny_dir, tmp_path)
     assert [r["failed"] for r in report["runs"]] == [0, 0] and report["runs"][1]["identical"] == 3
     refused = run_cli("bench", "serve", "--url", "http://127.0.0.1:9", "--compile")
     assert refused.returncode == 2 and "lookahead serve --compile" in refused.stderr
+
+
+@pytest.mark.slow  # compiles a few graphs of a tiny model
+def test_after_warming_up_an_engine_compiles_nothing_more_as_sequences_join_and_leave():
+    """Every compiled step covers the first slots (the others padded) and takes the number of sequences,
+    the height and the attended length as sizes: once `warm_up` has compiled its graphs, a run in which
+    requests of different lengths join and leave, with and without lookahead, compiles no new one, and
+    each output is transformers' greedy output."""
+    from torch._dynamo.utils import counters
+
+    model = make_tiny_model("llama")
+    engine = Engine(model, max_batch=3, max_length=96, compile=True)
+    engine.warm_up()
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1  # the counter counts this process's compiled graphs (4 here in a fresh process)
+    prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 11, 8, 17, 6)]
+    configs = [None, PLAIN_CONFIG, LookaheadConfig(window=2, ngram=3, guesses=2), None, PLAIN_CONFIG]
+    budgets = [20, 7, 15, 9, 12]
+    ids = {engine.add_request(p, RequestParams(n, c)): (p, n) for p, c, n in zip(prompts, configs, budgets)}
+    outputs: dict[int, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id].extend(output.tokens)
+    assert counters["stats"]["unique_graphs"] == graphs
+    for request_id, (prompt, count) in ids.items():
+        assert outputs[request_id] == reference_greedy(model, prompt.view(1, -1), count)[0, prompt.numel():].tolist()

@@ -165,6 +165,11 @@ class Engine:
         self._slots: list[_Request | None] = [None] * max_batch
         self._next_id = 0
 
+    def warm_up(self) -> None:
+        """With compile=True, compile now the step shapes this engine will meet (`HFModelRunner.warm_up`: a
+        few graphs, 10-70 s each on a 2-core CPU) rather than in the middle of a run; nothing otherwise."""
+        self.runner.warm_up(self.max_batch)
+
     def add_request(self, prompt_ids: torch.Tensor | list[int], params: RequestParams | None = None) -> int:
         """Queue a request; its id. Raises ValueError, before any work, for a request that cannot run."""
         params = RequestParams() if params is None else params

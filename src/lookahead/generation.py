@@ -65,7 +65,8 @@ def generate(
     where that measured faster on this machine); see `hf.PackedLinears`. compile: run decoding steps through
     `torch.compile` of the model, padded to a few fixed heights (`hf.COMPILED_HEIGHTS`), each compiled on
     first use (seconds to minutes per height on a CPU; a height whose compilation fails runs eagerly, with a
-    warning). Off by default: on our 2-core CPU it saves 2-5 ms of a 19-34 ms step (docs/benchmarks.md).
+    warning). Off by default: on our 2-core CPU it saves 8-9 ms of a 22-37 ms step, but compiling costs 10-70 s
+    per graph (docs/benchmarks.md).
     """
     if config is not None and not isinstance(config, LookaheadConfig):
         raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")

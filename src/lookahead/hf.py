@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from .runtime.batch import StepBatch, pad_batch
+from .runtime.batch import StepBatch, causal_step, pack_steps, pad_batch
 from .runtime.kv import KVStore
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
@@ -191,6 +191,27 @@ class HFModelRunner:
         self.forward_seconds += time.perf_counter() - start
         return out
 
+    def warm_up(self, slots: int) -> None:
+        """Compile, before serving, the step shapes that an engine of `slots` sequences meets: one sequence
+        or several (from its first slot or not, in consecutive slots or not), one row or more each. Dynamo
+        compiles a size first as a constant, then, when it changes, as a size, and always treats 1 apart:
+        each of these is a graph of its own (10-70 s on a 2-core CPU), which would otherwise compile in the
+        middle of a run, stalling every sequence in it."""
+        if self._compiled is None:
+            return
+        decoding = self.forward_seconds
+        store = self.new_store(slots, 64)
+        prompt = causal_step(torch.zeros(8, dtype=torch.long))
+        self.forward(store, pack_steps(range(slots), [0] * slots, [prompt] * slots))  # eager: allocates the store
+        for slot in range(slots):
+            store.extend(slot, 8)
+        groups = [[0], [1], [0, 1], [0, 2]]  # (compiled steps cover the first slots: padded to them)
+        for group in [g for g in groups if max(g) < slots]:
+            for rows in (1, 2):
+                step = causal_step(torch.zeros(rows, dtype=torch.long), logits=rows)
+                self.forward(store, pack_steps(group, [8] * len(group), [step] * len(group)))
+        self.forward_seconds = decoding  # warming up is not decoding
+
     def runs_compiled(self, height: int) -> bool:
         """Whether steps padded to `height` rows run compiled (compile on, and that height compiled or not tried)."""
         return self.compile and height not in self._eager_heights
@@ -238,13 +259,21 @@ class HFModelRunner:
     def _call(self, store: KVStore, batch: StepBatch, logits_to_keep: torch.Tensor | int, compiled: bool = False):
         """The model's forward over `batch` (set up on `store` by `store.begin`), eager or compiled."""
         mask = self._attention_mask(batch)
-        if compiled:  # the attended length varies from step to step: one graph for all of them
+        tokens, positions = batch.tokens.to(self.device), batch.positions.to(self.device)
+        if compiled:
+            # The number of sequences, the padded height and the attended length are sizes, not constants:
+            # a few graphs serve every step (dynamo still compiles size 1 apart) instead of one compiled,
+            # for 10-70 s on a CPU, at each new size met in the middle of a run.
             for tensor in mask.values() if isinstance(mask, dict) else [mask]:
-                torch._dynamo.maybe_mark_dynamic(tensor, 3)
+                for dim in (0, 2, 3):
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+            for tensor in (tokens, positions):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
         return self._forward(
-            input_ids=batch.tokens.to(self.device),
+            input_ids=tokens,
             compiled=compiled,
-            position_ids=batch.positions.to(self.device),
+            position_ids=positions,
             attention_mask=mask,
             **{self.cache_argument: store},
             **({"logits_to_keep": logits_to_keep} if self.keeps_some_logits else {}),
@@ -254,10 +283,11 @@ class HFModelRunner:
         """The step padded to a compiled height and run compiled; None where it must run eagerly (a prefill
         chunk taller than any compiled height, no room left in the store, that height failed to compile)."""
         height = next((h for h in COMPILED_HEIGHTS if h >= batch.height), None)
-        cached = [store.lengths[slot] for slot in batch.slots]
+        slots = range(max(batch.slots) + 1)  # the first slots, those not in the batch padded: one shape class
+        cached = [store.lengths[slot] for slot in slots]
         if height is None or height in self._eager_heights or max(cached) + height > store.capacity:
             return None
-        padded = pad_batch(batch, cached, height, max(cached) + height)
+        padded = pad_batch(batch, cached, height, max(cached) + height, slots)
         store.begin(padded.slots, height, padded.visible.shape[-1], self.device)
         first = height not in self.compile_seconds
         start = time.perf_counter()
@@ -273,7 +303,7 @@ class HFModelRunner:
             return None
         if first:
             self.compile_seconds[height] = time.perf_counter() - start
-        return out.logits[:, batch.logit_rows.to(self.device)]
+        return out.logits[torch.tensor(batch.slots, device=self.device)][:, batch.logit_rows.to(self.device)]
 
     def _attention_mask(self, batch: StepBatch) -> torch.Tensor | dict[str, torch.Tensor]:
         full = self._additive(batch.visible)

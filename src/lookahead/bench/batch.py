@@ -85,14 +85,11 @@ def batch_runs(model: PreTrainedModel, prompts: Sequence[torch.Tensor], batch_si
                max_new_tokens: int, config: LookaheadConfig = AUTO_CONFIG,
                on_run: Callable[[BatchRun], None] | None = None, compile: bool = False) -> list[BatchRun]:
     """For each batch size, every prompt once per method, the three methods one after another. `compile`: our
-    engines compile their steps; each batch size is first decoded briefly by both, every prompt, so that the
-    step shapes met as sequences join and leave (a few graphs, 15-70 s each on 2 cores) compile untimed."""
-    Engine(model, max_batch=max(batch_sizes), compile=compile)  # measures the cost curves of every batch size, once
+    engines compile their steps, the step shapes compiled before anything is timed."""
+    # Measures the cost curves of every batch size, once; with compile, compiles the steps' shapes.
+    Engine(model, max_batch=max(batch_sizes), compile=compile).warm_up()
     runs = []
     for size in batch_sizes:
-        if compile:
-            for warm_up in (PLAIN_CONFIG, config):
-                _engine(model, prompts, min(max_new_tokens, 16), warm_up, size, compile)
         totals = {m: {"tokens": 0, "seconds": 0.0, "latency": 0.0, "steps": 0} for m in METHODS}
         results = {"transformers": [(*_transformers_batch(model, prompts[i: i + size], max_new_tokens), None)
                                     for i in range(0, len(prompts), size)],

@@ -92,25 +92,37 @@ def after_tokens(prefix: torch.Tensor, step: StepInput) -> StepInput:
 
 
 
-def pad_batch(batch: StepBatch, cached: Sequence[int], height: int, attend: int) -> StepBatch:
-    """`batch` as a forward of fixed shape: `height` rows per sequence and `attend` key columns (`cached[b]`:
-    the positions sequence b has cached, after which its step's keys are written). The extra rows repeat
-    the sequence's last position and see only their own key, written after the step's rows where nothing
-    is kept; a compiled forward then meets a few shapes instead of one per step."""
-    count, rows, columns = batch.tokens.shape[0], batch.height, batch.visible.shape[-1]
+def pad_batch(batch: StepBatch, cached: Sequence[int], height: int, attend: int,
+              slots: Sequence[int] | None = None) -> StepBatch:
+    """`batch` as a forward of fixed shape: `height` rows per sequence and `attend` key columns, over `slots`
+    (default: the batch's own; else any slots including them, in order; `cached[i]`: the positions slot
+    `slots[i]` has cached, after which its step's keys are written). The extra rows repeat the sequence's
+    last position and see only their own key, written after the step's rows where nothing is kept; a slot
+    not in the batch gets only such rows. A compiled forward then meets a few shapes instead of one per
+    step."""
+    slots = list(batch.slots if slots is None else slots)
+    rows, columns = batch.height, batch.visible.shape[-1]
     starts = torch.tensor(cached, dtype=torch.long)
-    if height < rows or attend < columns or int(starts.max()) + height > attend:
-        raise ValueError(f"cannot pad a step of {rows} rows over {columns} columns to {height} x {attend}")
+    if (height < rows or attend < columns or int(starts.max()) + height > attend or len(starts) != len(slots)
+            or not set(batch.slots) <= set(slots)):
+        raise ValueError(f"cannot pad a step of {rows} rows over {columns} columns to {height} x {attend} "
+                         f"over slots {slots}")
+    place = torch.tensor([slots.index(slot) for slot in batch.slots])  # each sequence's row of the padded step
+    count = len(slots)
     tokens = torch.zeros(count, height, dtype=torch.long)
-    tokens[:, :rows] = batch.tokens
-    positions = batch.positions[:, -1:].repeat(1, height)
-    positions[:, :rows] = batch.positions
+    tokens[place, :rows] = batch.tokens
+    positions = starts[:, None].repeat(1, height)
+    positions[place] = batch.positions[:, -1:].repeat(1, height)
+    positions[place, :rows] = batch.positions
     visible = torch.zeros(count, height, attend, dtype=torch.bool)
-    visible[:, :rows, :columns] = batch.visible
+    visible[place, :rows, :columns] = batch.visible
     key_positions = torch.zeros(count, attend, dtype=torch.long)
-    key_positions[:, :columns] = batch.key_positions
-    extra = torch.arange(rows, height)
-    own = starts[:, None] + extra  # [B, extra]: where each extra row's key is written
-    visible[torch.arange(count)[:, None], extra, own] = True
-    key_positions.scatter_(1, own, positions[:, rows:])
-    return StepBatch(batch.slots, tokens, positions, visible, key_positions, batch.logit_rows, batch.picks)
+    key_positions[place, :columns] = batch.key_positions
+    first_extra = torch.zeros(count, dtype=torch.long)
+    first_extra[place] = rows
+    extra = torch.arange(height)[None, :] >= first_extra[:, None]  # [count, height]
+    sequence, row = extra.nonzero(as_tuple=True)
+    own = starts[sequence] + row  # where each extra row's key is written
+    visible[sequence, row, own] = True
+    key_positions[sequence, own] = positions[sequence, row]
+    return StepBatch(slots, tokens, positions, visible, key_positions, batch.logit_rows, batch.picks)

@@ -27,7 +27,8 @@ class KVStore(Cache):
         self.lengths = [0] * slots
         self.key_buffers: list[torch.Tensor | None] = [None] * num_layers
         self.value_buffers: list[torch.Tensor | None] = [None] * num_layers
-        self._rows: slice | torch.Tensor = slice(0, 0)  # the slots of this forward, in batch order
+        self._rows: slice | torch.Tensor | None = None  # the slots of this forward, in batch order (None: the first)
+        self._count = torch.empty(0, dtype=torch.uint8)  # as many entries as the forward has sequences
         self._slot_index: torch.Tensor | None = None  # [B, 1, 1] the same slots, as an index
         self._write: torch.Tensor | None = None  # [B, 1, q] position each new row is written at
         # The positions attention reads, as the length of a tensor rather than an int, marked dynamic (as is
@@ -45,10 +46,16 @@ class KVStore(Cache):
         first = slots[0]
         contiguous = list(slots) == list(range(first, first + len(slots)))
         self._slot_index = torch.tensor(slots, device=device).view(-1, 1, 1)
-        self._rows = slice(first, first + len(slots)) if contiguous else self._slot_index.view(-1)
+        # The first slots (every compiled step: hf pads them so) are read as a prefix whose length is a
+        # tensor's, not an int: a compiled forward then takes the number of sequences as a size.
+        self._rows = None if contiguous and first == 0 else (
+            slice(first, first + len(slots)) if contiguous else self._slot_index.view(-1))
+        self._count = torch.empty(len(slots), dtype=torch.uint8)
         self._write = (starts[:, None] + torch.arange(rows)).view(len(slots), 1, rows).to(device)
         self._span = torch.empty(attend, dtype=torch.uint8)
-        torch._dynamo.maybe_mark_dynamic(self._span, 0)
+        for tensor, dim in ((self._span, 0), (self._count, 0), (self._slot_index, 0), (self._write, 0),
+                            (self._write, 2)):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,17 +70,20 @@ class KVStore(Cache):
                 self._write_and_read(self.value_buffers[layer_idx], value_states))
 
     def _write_and_read(self, buffer: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        if isinstance(self._rows, slice) and not torch.compiler.is_compiling():
+        if not isinstance(self._rows, torch.Tensor) and not torch.compiler.is_compiling():
             # The usual eager case: a scatter into a view of the slots (8 us a layer cheaper than indexing).
-            rows = buffer[self._rows]
-            rows.scatter_(2, self._write.unsqueeze(-1).expand(*new.shape[:-1], new.shape[-1]), new)
+            self._slots_of(buffer).scatter_(2, self._write.unsqueeze(-1).expand(*new.shape[:-1], new.shape[-1]), new)
         else:
             # Compiled, an indexed write into the buffer itself runs in place, where a scatter into a view of
             # it compiles to a copy of the whole buffer and a copy back (2 per layer, each as long as the
             # store's capacity: 2-4 ms of a step on the default model).
             heads = torch.arange(new.shape[1], device=new.device).view(1, -1, 1)
             buffer[self._slot_index, heads, self._write] = new
-        return buffer[self._rows, :, : self._span.shape[0]]  # contiguous slots (the usual case): a view
+        return self._slots_of(buffer)[:, :, : self._span.shape[0]]
+
+    def _slots_of(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The forward's slots of `buffer`: a view for consecutive slots (the usual case), else a copy."""
+        return buffer[: self._count.shape[0]] if self._rows is None else buffer[self._rows]
 
     @torch.inference_mode()
     def keep(self, slot: int, kept: torch.Tensor) -> None:
