@@ -280,13 +280,16 @@ class HFModelRunner:
         )
 
     def _forward_compiled(self, store: KVStore, batch: StepBatch) -> torch.Tensor | None:
-        """The step padded to a compiled height and run compiled; None where it must run eagerly (a prefill
-        chunk taller than any compiled height, no room left in the store, that height failed to compile)."""
+        """The step padded to a compiled height and run compiled; None where it runs eagerly (a prefill chunk
+        taller than any compiled height, no room left in the store, that height failed to compile, or
+        padding that would more than double its rows)."""
         height = next((h for h in COMPILED_HEIGHTS if h >= batch.height), None)
         slots = range(max(batch.slots) + 1)  # the first slots, those not in the batch padded: one shape class
         cached = [store.lengths[slot] for slot in slots]
         if height is None or height in self._eager_heights or max(cached) + height > store.capacity:
             return None
+        if len(slots) * height > 2 * len(batch.slots) * batch.height:
+            return None  # padding would more than double the rows (a prompt chunk for a late slot): eager
         padded = pad_batch(batch, cached, height, max(cached) + height, slots)
         store.begin(padded.slots, height, padded.visible.shape[-1], self.device)
         first = height not in self.compile_seconds

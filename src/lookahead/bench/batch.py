@@ -86,10 +86,10 @@ def batch_runs(model: PreTrainedModel, prompts: Sequence[torch.Tensor], batch_si
                on_run: Callable[[BatchRun], None] | None = None, compile: bool = False) -> list[BatchRun]:
     """For each batch size, every prompt once per method, the three methods one after another. `compile`: our
     engines compile their steps, the step shapes compiled before anything is timed."""
-    # Measures the cost curves of every batch size, once; with compile, compiles the steps' shapes.
-    Engine(model, max_batch=max(batch_sizes), compile=compile).warm_up()
+    Engine(model, max_batch=max(batch_sizes), compile=compile)  # measures the cost curves of every batch size, once
     runs = []
     for size in batch_sizes:
+        Engine(model, max_batch=size, compile=compile).warm_up()  # compiled: one slot is a shape apart from several
         totals = {m: {"tokens": 0, "seconds": 0.0, "latency": 0.0, "steps": 0} for m in METHODS}
         results = {"transformers": [(*_transformers_batch(model, prompts[i: i + size], max_new_tokens), None)
                                     for i in range(0, len(prompts), size)],

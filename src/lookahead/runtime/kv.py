@@ -64,8 +64,9 @@ class KVStore(Cache):
             self.key_buffers[layer_idx] = key_states.new_zeros(shape)
             self.value_buffers[layer_idx] = value_states.new_zeros(
                 (self.slots, value_states.shape[1], self.capacity, value_states.shape[-1]))
-            torch._dynamo.maybe_mark_dynamic(self.key_buffers[layer_idx], 2)
-            torch._dynamo.maybe_mark_dynamic(self.value_buffers[layer_idx], 2)
+            for buffer in (self.key_buffers[layer_idx], self.value_buffers[layer_idx]):
+                torch._dynamo.maybe_mark_dynamic(buffer, 0)  # stores of any number of slots share graphs
+                torch._dynamo.maybe_mark_dynamic(buffer, 2)
         return (self._write_and_read(self.key_buffers[layer_idx], key_states),
                 self._write_and_read(self.value_buffers[layer_idx], value_states))
 
