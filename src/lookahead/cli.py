@@ -603,7 +603,7 @@ def serve_command(
     max_length: Annotated[Optional[int], typer.Option(min=2, help="Most positions of a request (default: the model's context, at most 4096).")] = None,
     api_key: Annotated[Optional[list[str]], typer.Option("--api-key", help="Accepted key (Authorization: Bearer KEY); repeat for several. Default: none needed.")] = None,
     threads: ThreadsOption = None,
-    compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decoding steps (each shape compiles during the first request that needs it).")] = False,
+    compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decoding steps (their few shapes compile before the server starts serving).")] = False,
 ) -> None:
     """An OpenAI-compatible server (chat and text completions, streaming) on the lookahead engine."""
     import uvicorn

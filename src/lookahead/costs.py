@@ -104,12 +104,9 @@ def _curve_key(runner: HFModelRunner) -> str:
 def _seconds(runner: HFModelRunner, packed_from: int | None, sizes: Sequence[int] = CURVE_SIZES,
              batch: int = 1) -> list[float]:
     runner.packed_from = packed_from
-    decoding = runner.forward_seconds
-    with runner.eager():  # compiling every size up front would take minutes on a CPU; padding is priced below
-        seconds = [point.seconds for point in forward_cost(runner, context=128, sizes=tuple(sizes), repeats=3,
-                                                           batch=batch)]
-    runner.forward_seconds = decoding  # measuring is not decoding: keep its forwards out of the profile
-    return seconds
+    with runner.eager(), runner.untimed():  # compiling every size up front would take minutes on a CPU
+        return [point.seconds for point in forward_cost(runner, context=128, sizes=tuple(sizes), repeats=3,
+                                                        batch=batch)]
 
 
 def _stored(path, measure) -> dict:
@@ -191,7 +188,6 @@ def _curve(runner: HFModelRunner, sizes: Sequence[int], eager: Sequence[float], 
 def _compiled_step(runner: HFModelRunner, batch: int) -> float | None:
     """Seconds of a compiled step of one row for each of `batch` sequences, on the context `_seconds` uses
     (None where that step fails to compile)."""
-    decoding = runner.forward_seconds
-    seconds = forward_cost(runner, context=128, sizes=(1,), repeats=5, batch=batch)[0].seconds
-    runner.forward_seconds = decoding
+    with runner.untimed():
+        seconds = forward_cost(runner, context=128, sizes=(1,), repeats=5, batch=batch)[0].seconds
     return seconds if runner.runs_compiled(1) else None

@@ -138,12 +138,12 @@ def _grouped_kv_heads() -> Iterator[None]:
 
 
 def _compiled_forward(model: PreTrainedModel):
-    """The model compiled for fixed shapes (one graph per step height and batch size, made on first use)."""
-    # Each height and batch size is a graph of its own: allow more than dynamo's default of 8 per function.
+    """The model compiled on first use; the step's sizes are marked dynamic at each call (`_call`, `KVStore`)."""
+    # A few graphs per model (one sequence or several, one row or several), more where a compilation
+    # specialises: allow more than dynamo's default of 8 per function.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    # Shapes are static but for the positions attended to (which grow every step) and the store's capacity:
-    # those are marked dynamic at each call, so one graph serves every length. Without size asserts: the
-    # generated code would check every kernel's output shape in Python, about 1,000 checks a step.
+    # Without size asserts: the generated code would check every kernel's output shape in Python, about
+    # 1,000 checks a step.
     return torch.compile(model, options={"size_asserts": False})
 
 
@@ -193,24 +193,31 @@ class HFModelRunner:
 
     def warm_up(self, slots: int) -> None:
         """Compile, before serving, the step shapes that an engine of `slots` sequences meets: one sequence
-        or several (from its first slot or not, in consecutive slots or not), one row or more each. Dynamo
-        compiles a size first as a constant, then, when it changes, as a size, and always treats 1 apart:
-        each of these is a graph of its own (10-70 s on a 2-core CPU), which would otherwise compile in the
-        middle of a run, stalling every sequence in it."""
+        or several (in the first slots, or with slots between them padded), one row or more each. Dynamo
+        treats a size of 1 apart from the others: each of these is a graph of its own (10-70 s on a 2-core
+        CPU), which would otherwise compile in the middle of a run, stalling every sequence in it."""
         if self._compiled is None:
             return
-        decoding = self.forward_seconds
         store = self.new_store(slots, 64)
         prompt = causal_step(torch.zeros(8, dtype=torch.long))
-        self.forward(store, pack_steps(range(slots), [0] * slots, [prompt] * slots))  # eager: allocates the store
-        for slot in range(slots):
-            store.extend(slot, 8)
         groups = [[0], [1], [0, 1], [0, 2]]  # (compiled steps cover the first slots: padded to them)
-        for group in [g for g in groups if max(g) < slots]:
-            for rows in (1, 2):
-                step = causal_step(torch.zeros(rows, dtype=torch.long), logits=rows)
-                self.forward(store, pack_steps(group, [8] * len(group), [step] * len(group)))
-        self.forward_seconds = decoding  # warming up is not decoding
+        with self.untimed():
+            self.forward(store, pack_steps(range(slots), [0] * slots, [prompt] * slots))  # eager: allocates it
+            for slot in range(slots):
+                store.extend(slot, 8)
+            for group in [g for g in groups if max(g) < slots]:
+                for rows in (1, 2):
+                    step = causal_step(torch.zeros(rows, dtype=torch.long), logits=rows)
+                    self.forward(store, pack_steps(group, [8] * len(group), [step] * len(group)))
+
+    @contextmanager
+    def untimed(self) -> Iterator[None]:
+        """Forwards inside are not decoding (measuring, warming up): kept out of `forward_seconds`."""
+        decoding = self.forward_seconds
+        try:
+            yield
+        finally:
+            self.forward_seconds = decoding
 
     def runs_compiled(self, height: int) -> bool:
         """Whether steps padded to `height` rows run compiled (compile on, and that height compiled or not tried)."""

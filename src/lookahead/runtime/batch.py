@@ -91,7 +91,6 @@ def after_tokens(prefix: torch.Tensor, step: StepInput) -> StepInput:
                      allowed, step.logit_rows + count)
 
 
-
 def pad_batch(batch: StepBatch, cached: Sequence[int], height: int, attend: int,
               slots: Sequence[int] | None = None) -> StepBatch:
     """`batch` as a forward of fixed shape: `height` rows per sequence and `attend` key columns, over `slots`
