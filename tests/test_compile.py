@@ -92,7 +92,7 @@ def test_compiled_steps_give_greedy_generate_output():
 
 
 def test_a_compiler_failure_warns_and_runs_eagerly(llama_tiny, monkeypatch):
-    def failing(model):
+    def failing(model, mode):
         def forward(**kwargs):
             raise RuntimeError("no compiler here")
         return forward
@@ -111,6 +111,23 @@ def test_compile_and_packed_linears_do_not_mix(llama_tiny):
         HFModelRunner(llama_tiny, packed_linear=True, compile=True)
 
 
+def test_an_unknown_compile_mode_is_refused_with_the_modes_allowed(llama_tiny):
+    with pytest.raises(ValueError, match=r"compile must be True, False or one of \('default', 'cpp-wrapper'\), "
+                                         r"got 'fastest'"):
+        generate(llama_tiny, torch.tensor([[5, 6, 7]]), max_new_tokens=2, compile="fastest")
+
+
+@pytest.mark.slow  # the C++ wrapper compiles for seconds more per step shape
+def test_compiled_with_a_cpp_wrapper_decodes_as_generate_does(llama_tiny):
+    """compile="cpp-wrapper" (the compiled kernels called from C++, not Python) gives `generate`'s greedy
+    output with lookahead's trees (several step heights)."""
+    prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+    out = generate(llama_tiny, prompt, max_new_tokens=40, config=LookaheadConfig(window=2, ngram=3, guesses=2),
+                   compile="cpp-wrapper")
+    assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 40))
+    assert out.stats.compile_seconds > 0 and out.stats.tokens_per_step > 1
+
+
 def test_the_budget_prices_a_step_at_its_padded_height():
     curve = CostCurve([1, 2, 4, 8], [1.0, 1.1, 1.3, 2.0], padded_to=(1, 2, 4, 8))
     assert curve(3) == curve(4) == pytest.approx(1.3)
@@ -124,8 +141,9 @@ def test_cli_generate_compiles_and_says_how_long_it_took(tiny_dir):
                      "--window", "0", "--guesses", "0", "--compile")
     assert result.returncode == 0, result.stderr
     assert "[6 new tokens," in result.stdout and "s of it compiling" in result.stdout
-    refused = run_cli("generate", "hello", "--model", tiny_dir, "--compile", "--workers", "2")
-    assert refused.returncode == 2 and "--compile runs in one process" in refused.stderr
+    for option in ("--compile", "--cpp-wrapper"):
+        refused = run_cli("generate", "hello", "--model", tiny_dir, option, "--workers", "2")
+        assert refused.returncode == 2 and "--compile/--cpp-wrapper runs in one process" in refused.stderr
 
 
 @pytest.mark.slow
@@ -160,6 +178,22 @@ def test_a_compiled_runner_prices_steps_by_the_eager_curve_less_what_compiling_s
     curve = costs.cost_curve(HFModelRunner(llama_tiny, compile=True))
     assert curve.relative == pytest.approx(expected) and curve.padded_to == list(COMPILED_HEIGHTS)
     assert costs.cost_curve(HFModelRunner(llama_tiny)).relative == pytest.approx([1.0, 1.1, 1.3, 2.0])
+
+
+def test_each_compile_mode_has_its_own_measured_saving(llama_tiny, monkeypatch, tmp_path):
+    """A step compiled with the C++ wrapper is faster than a default compiled one: its saving is measured
+    and cached apart."""
+    import lookahead.costs as costs
+
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs, "_MEASURED", {})
+    monkeypatch.setattr(costs, "CURVE_SIZES", (1, 2, 4, 8))
+    monkeypatch.setattr(costs, "_seconds", lambda runner, packed_from, sizes=(), batch=1: [10.0, 11.0, 13.0, 20.0])
+    monkeypatch.setattr(costs, "_compiled_step", lambda runner, batch: {"default": 4.0, "cpp-wrapper": 2.0}[
+        runner.compile_mode])
+    assert costs.cost_curve(HFModelRunner(llama_tiny, compile=True)).relative == pytest.approx([1.0, 1.25, 1.75, 3.5])
+    faster = costs.cost_curve(HFModelRunner(llama_tiny, compile="cpp-wrapper"))
+    assert faster.relative == pytest.approx([1.0, 1.5, 2.5, 6.0])
 
 
 @pytest.mark.slow  # compiles a one-row step

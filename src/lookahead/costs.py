@@ -177,7 +177,8 @@ def _curve(runner: HFModelRunner, sizes: Sequence[int], eager: Sequence[float], 
     height up front."""
     if not runner.compile:
         return CostCurve(sizes, eager)
-    key = f"{_curve_key(runner)}-{runner.packed_from}-b{batch}-compiled"
+    mode = "" if runner.compile_mode == "default" else f"-{runner.compile_mode}"
+    key = f"{_curve_key(runner)}-{runner.packed_from}-b{batch}-compiled{mode}"
     compiled = _stored(cache_root() / "costs" / f"{key}.json", lambda: {"seconds": _compiled_step(runner, batch)})
     if compiled["seconds"] is None:  # the step did not compile here: it runs, and is priced, eagerly
         return CostCurve(sizes, eager, COMPILED_HEIGHTS)

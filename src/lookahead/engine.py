@@ -131,7 +131,7 @@ class Engine:
     the others by at most one such forward per step. packed_linear, compile: as in `generate`."""
 
     def __init__(self, model: PreTrainedModel, max_batch: int = 8, max_length: int | None = None,
-                 prefill_chunk: int = 512, packed_linear: bool | None = None, compile: bool = False) -> None:
+                 prefill_chunk: int = 512, packed_linear: bool | None = None, compile: bool | str = False) -> None:
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

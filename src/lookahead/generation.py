@@ -31,7 +31,7 @@ def generate(
     eos_token_id: int | Iterable[int] | None = None,
     streamer=None,
     packed_linear: bool | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
     do_sample: bool = False,
     temperature: float | None = None,
     top_k: int | None = None,
@@ -66,7 +66,8 @@ def generate(
     `torch.compile` of the model, padded to a few fixed heights (`hf.COMPILED_HEIGHTS`), each compiled on
     first use (seconds to minutes per height on a CPU; a height whose compilation fails runs eagerly, with a
     warning). Off by default: on our 2-core CPU it saves 8-9 ms of a 22-37 ms step, but compiling costs 10-70 s
-    per graph (docs/benchmarks.md).
+    per graph (docs/benchmarks.md). compile="cpp-wrapper": the same with the code that calls the compiled
+    kernels in C++ rather than Python (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """
     if config is not None and not isinstance(config, LookaheadConfig):
         raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")

@@ -191,7 +191,7 @@ def _error(status: int, message: str, param: str | None, kind: str) -> JSONRespo
 
 def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_name: str = "lookahead",
                max_batch: int = 8, max_queue: int = 64, max_length: int | None = None,
-               api_keys: tuple[str, ...] = (), corpus_megabytes: int = 64, compile: bool = False) -> FastAPI:
+               api_keys: tuple[str, ...] = (), corpus_megabytes: int = 64, compile: bool | str = False) -> FastAPI:
     """The app: OpenAI's chat and text completions, models, health. Requests decode on one engine of
     `max_batch` slots; beyond `max_queue` waiting requests, new ones get 429. With `api_keys`, every
     request must carry one (`Authorization: Bearer KEY`); each key has a corpus of its own (the suffix

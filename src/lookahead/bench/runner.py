@@ -29,20 +29,21 @@ class Method:
     name: str  # shown in the report: "greedy" (or "sample"), "pld", "plain", "lookahead-{config label}"
     kind: str  # "generate" (transformers), "pld" (transformers' prompt lookup), "plain" or "lookahead" (ours)
     config: LookaheadConfig | None = None
-    compile: bool = False  # ours, through `generate(compile=True)`
+    compile: bool | str = False  # ours, through `generate(compile=...)`
 
 
 def standard_methods(
     configs: Iterable[LookaheadConfig], baselines: Iterable[str] = ("greedy", "pld", "plain"), sampling: bool = False,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> list[Method]:
     """`baselines` from "greedy" (transformers' generate; shown as "sample" when sampling), "pld", "plain".
-    compile: each of our methods also runs compiled, as "<name>-compiled"."""
+    compile: each of our methods also runs compiled, as "<name>-compiled" ("<name>-cpp-wrapper" in that mode)."""
     kinds = {"greedy": "generate", "pld": "pld", "plain": "plain"}
     methods = [Method("sample" if sampling and b == "greedy" else b, kinds[b]) for b in baselines]
     methods += [Method(f"lookahead-{c.label}", "lookahead", c) for c in configs]
     if compile:
-        methods += [Method(f"{m.name}-compiled", m.kind, m.config, True) for m in methods
+        suffix = "cpp-wrapper" if compile == "cpp-wrapper" else "compiled"
+        methods += [Method(f"{m.name}-{suffix}", m.kind, m.config, compile) for m in methods
                     if m.kind in ("plain", "lookahead")]
     return methods
 
