@@ -120,12 +120,13 @@ def test_an_unknown_compile_mode_is_refused_with_the_modes_allowed(llama_tiny):
 @pytest.mark.slow  # the C++ wrapper compiles for seconds more per step shape
 def test_compiled_with_a_cpp_wrapper_decodes_as_generate_does(llama_tiny):
     """compile="cpp-wrapper" (the compiled kernels called from C++, not Python) gives `generate`'s greedy
-    output with lookahead's trees (several step heights)."""
+    output. One-row steps only, one graph: the C++ wrapper is an inductor option on the same graphs, whose
+    step shapes the default mode's tests cover."""
     prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(3))
-    out = generate(llama_tiny, prompt, max_new_tokens=40, config=LookaheadConfig(window=2, ngram=3, guesses=2),
+    out = generate(llama_tiny, prompt, max_new_tokens=24, config=LookaheadConfig(window=0, guesses=0),
                    compile="cpp-wrapper")
-    assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 40))
-    assert out.stats.compile_seconds > 0 and out.stats.tokens_per_step > 1
+    assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 24))
+    assert out.stats.compile_seconds > 0
 
 
 def test_the_budget_prices_a_step_at_its_padded_height():
