@@ -157,8 +157,7 @@ def _compiled_forward(model: PreTrainedModel, mode: str):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # Without size asserts: the generated code would check every kernel's output shape in Python, about
     # 1,000 checks a step.
-    options = {"size_asserts": False, **({"cpp_wrapper": True} if mode == "cpp-wrapper" else {})}
-    return torch.compile(model, options=options)
+    return torch.compile(model, options={"size_asserts": False, "cpp_wrapper": mode == "cpp-wrapper"})
 
 
 class HFModelRunner:
@@ -167,7 +166,6 @@ class HFModelRunner:
     def __init__(self, model: PreTrainedModel, packed_linear: bool | None = None, compile: bool | str = False) -> None:
         check_model(model)
         self.compile_mode = compile_mode(compile)
-        self.compile = self.compile_mode is not None
         config = model.config.get_text_config(decoder=True)
         self.layer_types: list[str] | None = getattr(config, "layer_types", None)
         parameters = inspect.signature(model.forward).parameters
@@ -233,6 +231,11 @@ class HFModelRunner:
             yield
         finally:
             self.forward_seconds = decoding
+
+    @property
+    def compile(self) -> bool:
+        """Whether decoding steps run compiled (in any mode)."""
+        return self.compile_mode is not None
 
     def runs_compiled(self, height: int) -> bool:
         """Whether steps padded to `height` rows run compiled (compile on, and that height compiled or not tried)."""
