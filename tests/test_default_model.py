@@ -13,25 +13,26 @@ from lookahead.workloads import load_workload
 
 pytestmark = pytest.mark.slow
 
-# The automatic config, and a fixed one with every part (window, pool, suffix source); the fixed default
-# W5 N4 G5 runs in the tiny models' fuzz and, checked identical, in the bench test on this model.
-CONFIGS = [AUTO_CONFIG, LookaheadConfig(window=4, ngram=5, guesses=2, suffix=16)]
-PROMPTS = load_workload("mt_bench")[::10] + load_workload("humaneval")[::27] + load_workload("gsm8k")[::200]
+# The automatic config, and a fixed one with every part (window, pool, suffix source), each on every
+# other prompt of each workload (so each meets chat, code and math); the fixed default W5 N4 G5 runs in the
+# tiny models' fuzz and, checked identical, in the bench test on this model.
+CONFIGS = {"auto": AUTO_CONFIG, "W4N5G2S16": LookaheadConfig(window=4, ngram=5, guesses=2, suffix=16)}
+WORKLOADS = {name: load_workload(name)[::step] for name, step in (("mt_bench", 10), ("humaneval", 27), ("gsm8k", 200))}
+CASES = [(workload, prompt, list(CONFIGS)[i % 2])
+         for workload, prompts in WORKLOADS.items() for i, prompt in enumerate(prompts)]
 
 
-def test_prompt_set_covers_chat_code_and_math():
-    assert len(PROMPTS) >= 20
-    assert {"humaneval", "gsm8k"} <= {p.category for p in PROMPTS}
+def test_prompt_set_covers_chat_code_and_math_with_each_config():
+    assert len(CASES) >= 20
+    assert {(workload, config) for workload, _, config in CASES} == {(w, c) for w in WORKLOADS for c in CONFIGS}
 
 
-@pytest.mark.parametrize("prompt", PROMPTS, ids=lambda p: p.id)
-def test_identical_to_greedy_generate(default_model, prompt):
+@pytest.mark.parametrize("prompt, config", [pytest.param(p, c, id=f"{p.id}-{c}") for _, p, c in CASES])
+def test_identical_to_greedy_generate(default_model, prompt, config):
     model, tokenizer = default_model
     input_ids = encode_prompt(tokenizer, prompt.turns[0])
-    expected = reference_greedy(model, input_ids, 128)
-    for config in CONFIGS:
-        out = generate(model, input_ids, max_new_tokens=128, config=config)
-        assert torch.equal(out.sequences, expected), f"{config} diverged on {prompt.id}"
+    out = generate(model, input_ids, max_new_tokens=128, config=CONFIGS[config])
+    assert torch.equal(out.sequences, reference_greedy(model, input_ids, 128)), f"{config} diverged on {prompt.id}"
 
 
 def test_lookahead_takes_fewer_steps_than_tokens_on_code(default_model):
@@ -80,7 +81,7 @@ def assert_equal_or_near_tie(model, got: torch.Tensor, expected: torch.Tensor, l
 
 def test_a_batch_of_different_prompts_is_each_ones_greedy_output(default_model):
     model, tokenizer = default_model
-    chosen = PROMPTS[::3][:8]
+    chosen = [prompt for _, prompt, _ in CASES][::3][:8]
     prompts = [encode_prompt(tokenizer, p.turns[0])[0] for p in chosen]
     assert len({p.numel() for p in prompts}) > 4  # prompts of different lengths
     out = generate(model, prompts, max_new_tokens=96)
