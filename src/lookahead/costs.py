@@ -22,7 +22,7 @@ from .models import cache_root
 from .runtime.batch import causal_step, pack_steps
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
-COST_FORMAT_VERSION = 3
+COST_FORMAT_VERSION = 4
 
 
 class CostCurve:
@@ -39,8 +39,14 @@ class CostCurve:
         monotone = [min(seconds[i:]) for i in range(len(seconds))]
         self.relative = [s / monotone[0] for s in monotone]
         self.padded_to = list(padded_to)
+        self._known: dict[int, float] = {}  # tokens -> cost: the budget asks for the same few heights every step
 
     def __call__(self, tokens: int) -> float:
+        if tokens not in self._known:
+            self._known[tokens] = self._interpolate(tokens)
+        return self._known[tokens]
+
+    def _interpolate(self, tokens: int) -> float:
         tokens = next((height for height in self.padded_to if height >= tokens), tokens)
         index = min(max(bisect_left(self.sizes, tokens), 1), len(self.sizes) - 1)
         k0, k1 = self.sizes[index - 1], self.sizes[index]
@@ -174,21 +180,30 @@ def _curve(runner: HFModelRunner, sizes: Sequence[int], eager: Sequence[float], 
     at 1 to 16 rows with int4 weights on our 2-core Xeon), which makes the compiled curve steeper in
     relative terms (there T(8)/T(1) is 2.3 compiled against 1.9 eager). So the saving is measured on a
     compiled step of one row per sequence, which decoding compiles anyway, rather than compiling every
-    height up front."""
+    height up front; the eager curve is scaled to the speed the machine had when the saving was measured."""
     if not runner.compile:
         return CostCurve(sizes, eager)
     mode = "" if runner.compile_mode == "default" else f"-{runner.compile_mode}"
     key = f"{_curve_key(runner)}-{runner.packed_from}-b{batch}-compiled{mode}"
-    compiled = _stored(cache_root() / "costs" / f"{key}.json", lambda: {"seconds": _compiled_step(runner, batch)})
-    if compiled["seconds"] is None:  # the step did not compile here: it runs, and is priced, eagerly
+    step = _stored(cache_root() / "costs" / f"{key}.json", lambda: _compiled_step(runner, batch))
+    if step["compiled"] is None:  # the step did not compile here: it runs, and is priced, eagerly
         return CostCurve(sizes, eager, COMPILED_HEIGHTS)
-    saving = max(0.0, eager[0] - compiled["seconds"])
-    return CostCurve(sizes, [max(seconds - saving, compiled["seconds"]) for seconds in eager], COMPILED_HEIGHTS)
+    scale, saving = step["eager"] / eager[0], max(0.0, step["eager"] - step["compiled"])
+    return CostCurve(sizes, [max(seconds * scale - saving, step["compiled"]) for seconds in eager], COMPILED_HEIGHTS)
 
 
-def _compiled_step(runner: HFModelRunner, batch: int) -> float | None:
-    """Seconds of a compiled step of one row for each of `batch` sequences, on the context `_seconds` uses
-    (None where that step fails to compile)."""
+def _compiled_step(runner: HFModelRunner, batch: int, rounds: int = 5) -> dict[str, float | None]:
+    """Seconds of a step of one row for each of `batch` sequences, eager and compiled, on the context
+    `_seconds` uses (compiled None where that step fails to compile). The two are timed in turn, `rounds`
+    times: this machine's speed drifts by 10-20% over minutes, so a saving taken from two measurements
+    minutes apart can come out at nothing, or at twice what it is."""
     with runner.untimed():
-        seconds = forward_cost(runner, context=128, sizes=(1,), repeats=5, batch=batch)[0].seconds
-    return seconds if runner.runs_compiled(1) else None
+        forward_cost(runner, context=128, sizes=(1,), repeats=1, batch=batch)  # compiles the step
+        if not runner.runs_compiled(1):
+            return {"eager": None, "compiled": None}
+        times: dict[str, list[float]] = {"eager": [], "compiled": []}
+        for _ in range(rounds):
+            with runner.eager():
+                times["eager"].append(forward_cost(runner, context=128, sizes=(1,), repeats=3, batch=batch)[0].seconds)
+            times["compiled"].append(forward_cost(runner, context=128, sizes=(1,), repeats=3, batch=batch)[0].seconds)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from .drafts import Draft
 from .layout import GuessTree, build_guess_tree
@@ -139,8 +140,9 @@ def node_counts(demands: Sequence[RowDemand], cost: Callable[[int], float] | Non
     height = tallest
     if cost is not None and any(d.flexible for d in demands):
         best_value = -1.0
+        gained = [list(accumulate(d.gains, initial=0.0)) for d in demands]  # gained[b][n]: its first n nodes'
         for h in range(floor, tallest + 1):
-            expected = sum(1.0 + sum(d.gains[: d.nodes_within(h)]) for d in demands)
+            expected = sum(1.0 + sums[d.nodes_within(h)] for d, sums in zip(demands, gained))
             value = expected / cost(h)
             if value > best_value:
                 best_value, height = value, h
