@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -44,27 +45,31 @@ class StepBatch:
 
 def pack_steps(slots: Sequence[int], lengths: Sequence[int], steps: Sequence[StepInput]) -> StepBatch:
     """`lengths[b]`: positions already cached for sequence b, which are also the positions of its tokens;
-    the step's rows are written from there on. Padding rows see only themselves."""
+    the step's rows are written from there on. Padding rows see only themselves. (Built in numpy: a step
+    is a few dozen small array operations, each several times cheaper there than as a torch call.)"""
     batch = len(steps)
     height = max(step.tokens.numel() for step in steps)
-    cached = torch.tensor(lengths, dtype=torch.long)
+    cached = np.asarray(lengths, dtype=np.int64)
     attend = int(cached.max()) + height
-    tokens = torch.zeros(batch, height, dtype=torch.long)
-    offsets = torch.arange(height).repeat(batch, 1)
-    inner = torch.eye(height, dtype=torch.bool).repeat(batch, 1, 1)
+    tokens = np.zeros((batch, height), dtype=np.int64)
+    offsets = np.tile(np.arange(height), (batch, 1))
+    inner = np.tile(np.eye(height, dtype=bool), (batch, 1, 1))
     for b, step in enumerate(steps):
         size = step.tokens.numel()
-        tokens[b, :size] = step.tokens
-        offsets[b, :size] = step.offsets
-        inner[b, :size, :size] = step.allowed
-    columns = torch.arange(attend)
-    step_columns = cached[:, None] + torch.arange(height)  # [B, h]: where each row's key is written
-    visible = (columns < cached[:, None]).unsqueeze(1).repeat(1, height, 1)
-    visible.scatter_(2, step_columns.unsqueeze(1).expand(batch, height, height), inner)
+        tokens[b, :size] = step.tokens.numpy()
+        offsets[b, :size] = step.offsets.numpy()
+        inner[b, :size, :size] = step.allowed.numpy()
+    columns = np.arange(attend)
+    step_columns = cached[:, None] + np.arange(height)  # [B, h]: where each row's key is written
+    visible = np.repeat((columns < cached[:, None])[:, None, :], height, axis=1)
+    sequence = np.arange(batch)
+    visible[sequence[:, None, None], np.arange(height)[None, :, None], step_columns[:, None, :]] = inner
     positions = cached[:, None] + offsets
-    key_positions = columns.repeat(batch, 1).scatter_(1, step_columns, positions)
+    key_positions = np.tile(columns, (batch, 1))
+    key_positions[sequence[:, None], step_columns] = positions
     logit_rows, picks = _shared_rows([step.logit_rows for step in steps])
-    return StepBatch(list(slots), tokens, positions, visible, key_positions, logit_rows, picks)
+    return StepBatch(list(slots), torch.from_numpy(tokens), torch.from_numpy(positions), torch.from_numpy(visible),
+                     torch.from_numpy(key_positions), logit_rows, picks)
 
 
 def _shared_rows(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -101,27 +106,28 @@ def pad_batch(batch: StepBatch, cached: Sequence[int], height: int, attend: int,
     step."""
     slots = list(batch.slots if slots is None else slots)
     rows, columns = batch.height, batch.visible.shape[-1]
-    starts = torch.tensor(cached, dtype=torch.long)
+    starts = np.asarray(cached, dtype=np.int64)
     if (height < rows or attend < columns or int(starts.max()) + height > attend or len(starts) != len(slots)
             or not set(batch.slots) <= set(slots)):
         raise ValueError(f"cannot pad a step of {rows} rows over {columns} columns to {height} x {attend} "
                          f"over slots {slots}")
-    place = torch.tensor([slots.index(slot) for slot in batch.slots])  # each sequence's row of the padded step
+    place = np.array([slots.index(slot) for slot in batch.slots])  # each sequence's row of the padded step
     count = len(slots)
-    tokens = torch.zeros(count, height, dtype=torch.long)
-    tokens[place, :rows] = batch.tokens
-    positions = starts[:, None].repeat(1, height)
-    positions[place] = batch.positions[:, -1:].repeat(1, height)
-    positions[place, :rows] = batch.positions
-    visible = torch.zeros(count, height, attend, dtype=torch.bool)
-    visible[place, :rows, :columns] = batch.visible
-    key_positions = torch.zeros(count, attend, dtype=torch.long)
-    key_positions[place, :columns] = batch.key_positions
-    first_extra = torch.zeros(count, dtype=torch.long)
+    tokens = np.zeros((count, height), dtype=np.int64)
+    tokens[place, :rows] = batch.tokens.numpy()
+    step_positions = batch.positions.numpy()
+    positions = np.repeat(starts[:, None], height, axis=1)
+    positions[place] = step_positions[:, -1:]
+    positions[place, :rows] = step_positions
+    visible = np.zeros((count, height, attend), dtype=bool)
+    visible[place, :rows, :columns] = batch.visible.numpy()
+    key_positions = np.zeros((count, attend), dtype=np.int64)
+    key_positions[place, :columns] = batch.key_positions.numpy()
+    first_extra = np.zeros(count, dtype=np.int64)
     first_extra[place] = rows
-    extra = torch.arange(height)[None, :] >= first_extra[:, None]  # [count, height]
-    sequence, row = extra.nonzero(as_tuple=True)
+    sequence, row = np.nonzero(np.arange(height)[None, :] >= first_extra[:, None])  # the extra rows
     own = starts[sequence] + row  # where each extra row's key is written
     visible[sequence, row, own] = True
     key_positions[sequence, own] = positions[sequence, row]
-    return StepBatch(slots, tokens, positions, visible, key_positions, batch.logit_rows, batch.picks)
+    return StepBatch(slots, torch.from_numpy(tokens), torch.from_numpy(positions), torch.from_numpy(visible),
+                     torch.from_numpy(key_positions), batch.logit_rows, batch.picks)
