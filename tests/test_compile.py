@@ -163,50 +163,46 @@ def test_a_time_above_a_taller_steps_time_is_noise_and_is_lowered_to_it():
     assert CostCurve([1, 2, 4, 8], [3.0, 2.0, 5.0, 4.0]).relative == [1.0, 1.0, 2.0, 2.0]
 
 
-@pytest.mark.parametrize("compiled, expected", [(4.0, [1.0, 1.25, 1.75, 3.5]), (None, [1.0, 1.1, 1.3, 2.0])],
-                         ids=["compiled", "compile-failed"])
-def test_a_compiled_runner_prices_steps_by_the_eager_curve_less_what_compiling_saves(
-        llama_tiny, monkeypatch, tmp_path, compiled, expected):
-    """Measured: the eager curve (10, 11, 13, 20 ms here) and one-row steps eager and compiled in turn
-    (10 and 4 ms: compiling saves 6 ms a step at every height); where the step fails to compile, the eager
-    curve."""
+@pytest.fixture
+def costs(monkeypatch, tmp_path):
+    """`lookahead.costs` with nothing measured before the test and an eager curve of 10, 11, 13, 20 ms for
+    steps of 1, 2, 4, 8 tokens."""
     import lookahead.costs as costs
 
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
-    monkeypatch.setattr(costs, "_MEASURED", {})  # nothing measured before this test
+    monkeypatch.setattr(costs, "_MEASURED", {})
     monkeypatch.setattr(costs, "CURVE_SIZES", (1, 2, 4, 8))
     monkeypatch.setattr(costs, "_seconds", lambda runner, packed_from, sizes=(), batch=1: [10.0, 11.0, 13.0, 20.0])
+    return costs
+
+
+@pytest.mark.parametrize("compiled, expected", [(4.0, [1.0, 1.25, 1.75, 3.5]), (None, [1.0, 1.1, 1.3, 2.0])],
+                         ids=["compiled", "compile-failed"])
+def test_a_compiled_runner_prices_steps_by_the_eager_curve_less_what_compiling_saves(
+        llama_tiny, monkeypatch, costs, compiled, expected):
+    """Measured: the eager curve (10, 11, 13, 20 ms here) and one-row steps eager and compiled in turn
+    (10 and 4 ms: compiling saves 6 ms a step at every height); where the step fails to compile, the eager
+    curve."""
     monkeypatch.setattr(costs, "_compiled_step", lambda runner, batch: {"eager": compiled and 10.0, "compiled": compiled})
     curve = costs.cost_curve(HFModelRunner(llama_tiny, compile=True))
     assert curve.relative == pytest.approx(expected) and curve.padded_to == list(COMPILED_HEIGHTS)
     assert costs.cost_curve(HFModelRunner(llama_tiny)).relative == pytest.approx([1.0, 1.1, 1.3, 2.0])
 
 
-def test_the_saving_is_taken_at_the_speed_the_machine_had_when_it_was_measured(llama_tiny, monkeypatch, tmp_path):
+def test_the_saving_is_taken_at_the_speed_the_machine_had_when_it_was_measured(
+        llama_tiny, monkeypatch, costs):
     """The eager curve was measured at one time (10, 11, 13, 20 ms), the one-row steps later on a machine
     twice as slow (eager 20, compiled 8 ms: compiling saves 12 ms there): the curve is the eager one at that
     speed (20, 22, 26, 40) less 12 ms. Without the scaling the saving (20 - 8) would exceed the eager
     step itself and the curve would come out flat: the budget would then overfeed compiled steps."""
-    import lookahead.costs as costs
-
-    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
-    monkeypatch.setattr(costs, "_MEASURED", {})
-    monkeypatch.setattr(costs, "CURVE_SIZES", (1, 2, 4, 8))
-    monkeypatch.setattr(costs, "_seconds", lambda runner, packed_from, sizes=(), batch=1: [10.0, 11.0, 13.0, 20.0])
     monkeypatch.setattr(costs, "_compiled_step", lambda runner, batch: {"eager": 20.0, "compiled": 8.0})
     curve = costs.cost_curve(HFModelRunner(llama_tiny, compile=True))
     assert curve.relative == pytest.approx([1.0, 10 / 8, 14 / 8, 28 / 8])
 
 
-def test_each_compile_mode_has_its_own_measured_saving(llama_tiny, monkeypatch, tmp_path):
+def test_each_compile_mode_has_its_own_measured_saving(llama_tiny, monkeypatch, costs):
     """A step compiled with the C++ wrapper is faster than a default compiled one: its saving is measured
     and cached apart."""
-    import lookahead.costs as costs
-
-    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
-    monkeypatch.setattr(costs, "_MEASURED", {})
-    monkeypatch.setattr(costs, "CURVE_SIZES", (1, 2, 4, 8))
-    monkeypatch.setattr(costs, "_seconds", lambda runner, packed_from, sizes=(), batch=1: [10.0, 11.0, 13.0, 20.0])
     monkeypatch.setattr(costs, "_compiled_step", lambda runner, batch: {
         "eager": 10.0, "compiled": {"default": 4.0, "cpp-wrapper": 2.0}[runner.compile_mode]})
     assert costs.cost_curve(HFModelRunner(llama_tiny, compile=True)).relative == pytest.approx([1.0, 1.25, 1.75, 3.5])

@@ -5,13 +5,14 @@ drafter sizes each step's token tree with it."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import statistics
 import time
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,16 @@ def forward_cost(
 ) -> list[CostPoint]:
     """Median time of one forward of k tokens (causal among themselves, logits for all k) for each of `batch`
     sequences on top of a `context`-token cache each, through the same path lookahead steps take."""
+    steps = _steps_over_context(runner, context, sizes, batch)
+    medians = {k: median_seconds(run, repeats, runner.device) for k, run in steps.items()}
+    base = medians[sizes[0]]
+    return [CostPoint(k, medians[k], medians[k] / base) for k in sizes]
+
+
+def _steps_over_context(runner: HFModelRunner, context: int, sizes: Sequence[int],
+                        batch: int) -> dict[int, Callable[[], torch.Tensor]]:
+    """For each k in `sizes`, a call that runs one forward of k random tokens for each of `batch` sequences
+    over a cache of `context` random tokens each (filled once, here; the steps' own keys are never kept)."""
     vocab = runner.model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(0)
     slots = list(range(batch))
@@ -74,13 +85,11 @@ def forward_cost(
     runner.forward(store, pack_steps(slots, [0] * batch, [prompt] * batch))
     for slot in slots:
         store.extend(slot, context)
-    medians = {}
+    runs = {}
     for k in sizes:
         steps = [causal_step(torch.randint(vocab, (k,), generator=generator), logits=k) for _ in slots]
-        step_batch = pack_steps(slots, [context] * batch, steps)
-        medians[k] = median_seconds(lambda: runner.forward(store, step_batch), repeats, runner.device)
-    base = medians[sizes[0]]
-    return [CostPoint(k, medians[k], medians[k] / base) for k in sizes]
+        runs[k] = functools.partial(runner.forward, store, pack_steps(slots, [context] * batch, steps))
+    return runs
 
 
 def median_seconds(run, repeats: int, device: torch.device) -> float:
@@ -198,12 +207,13 @@ def _compiled_step(runner: HFModelRunner, batch: int, rounds: int = 5) -> dict[s
     times: this machine's speed drifts by 10-20% over minutes, so a saving taken from two measurements
     minutes apart can come out at nothing, or at twice what it is."""
     with runner.untimed():
-        forward_cost(runner, context=128, sizes=(1,), repeats=1, batch=batch)  # compiles the step
+        step = _steps_over_context(runner, 128, (1,), batch)[1]
+        step()  # compiles it
         if not runner.runs_compiled(1):
             return {"eager": None, "compiled": None}
         times: dict[str, list[float]] = {"eager": [], "compiled": []}
         for _ in range(rounds):
             with runner.eager():
-                times["eager"].append(forward_cost(runner, context=128, sizes=(1,), repeats=3, batch=batch)[0].seconds)
-            times["compiled"].append(forward_cost(runner, context=128, sizes=(1,), repeats=3, batch=batch)[0].seconds)
+                times["eager"].append(median_seconds(step, 3, runner.device))
+            times["compiled"].append(median_seconds(step, 3, runner.device))
     return {name: statistics.median(seconds) for name, seconds in times.items()}
