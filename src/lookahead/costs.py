@@ -23,7 +23,7 @@ from .models import cache_root
 from .runtime.batch import causal_step, pack_steps
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
-COST_FORMAT_VERSION = 4
+COST_FORMAT_VERSION = 5
 
 
 class CostCurve:
