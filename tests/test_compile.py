@@ -163,6 +163,28 @@ def test_a_time_above_a_taller_steps_time_is_noise_and_is_lowered_to_it():
     assert CostCurve([1, 2, 4, 8], [3.0, 2.0, 5.0, 4.0]).relative == [1.0, 1.0, 2.0, 2.0]
 
 
+def test_each_size_costs_its_fastest_round_the_sizes_timed_in_turn(llama_tiny, monkeypatch):
+    """A burst of another process on the cores adds time to whatever runs then: sizes are timed in turn,
+    round after round, and each keeps its fastest round (the warm-up round, here the fastest, not counted)."""
+    import lookahead.costs as costs
+
+    order, sizes = [], (1, 2, 4)
+    scripted = iter([0.1, 0.1, 0.1,  # warm-up round
+                     5.0, 9.0, 9.0,  # a burst on size 1
+                     2.0, 3.0, 30.0,  # a burst on size 4
+                     2.5, 2.6, 4.0])
+
+    def timed(run, device):
+        order.append(run.args[1].height)
+        return next(scripted)
+
+    monkeypatch.setattr(costs, "timed_seconds", timed)
+    points = costs.forward_cost(HFModelRunner(llama_tiny), context=8, sizes=sizes, repeats=3)
+    assert order == [1, 2, 4] * 4
+    assert [(p.tokens, p.seconds) for p in points] == [(1, 2.0), (2, 2.6), (4, 4.0)]
+    assert [p.relative for p in points] == [1.0, 1.3, 2.0]
+
+
 @pytest.fixture
 def costs(monkeypatch, tmp_path):
     """`lookahead.costs` with nothing measured before the test and an eager curve of 10, 11, 13, 20 ms for

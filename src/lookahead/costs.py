@@ -69,7 +69,8 @@ def forward_cost(
     sequences on top of a `context`-token cache each, through the same path lookahead steps take: the
     fastest of `repeats` rounds, each timing every size in turn (after a warm-up round). Another process on
     the cores only ever adds time, in bursts; the fastest round of each size is the least touched by them
-    (under a bursty load measured here, medians bent the curve by up to 2x at some sizes, minima by <20%)."""
+    (under a bursty load measured here, medians were off by up to 3x at some sizes, the fastest rounds by
+    under 20%)."""
     steps = _steps_over_context(runner, context, sizes, batch)
     times: dict[int, list[float]] = {k: [] for k in sizes}
     for round_ in range(repeats + 1):
