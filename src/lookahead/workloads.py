@@ -34,16 +34,6 @@ def humaneval_chat_turn(code: str) -> str:
     return f"Complete the following Python function.\n\n```python\n{code}```"
 
 
-def calibration_conversations() -> list[tuple[str, str]]:
-    """(question, answer) pairs with worked answers, prose and code alternating, to calibrate quantised
-    activations on: the last GSM8K problems and HumanEval tasks with their solutions, which benchmarks taking
-    prompts from the front (`--limit`) do not reach."""
-    math = [(row["question"], row["answer"]) for row in _lines("gsm8k")[-8:]]
-    code = [(humaneval_chat_turn(row["prompt"]), f"```python\n{row['prompt']}{row['canonical_solution']}```")
-            for row in _lines("humaneval")[-8:]]
-    return [pair for pairs in zip(math, code) for pair in pairs]
-
-
 def load_workload(name: str, turns: int = 1, raw: bool = False) -> list[Prompt]:
     """Prompts of a built-in workload (see BUILTIN) or of a JSONL file with a `prompt` or `turns` field.
 
