@@ -72,13 +72,8 @@ def forward_cost(
     (under a bursty load measured here, medians were off by up to 3x at some sizes, the fastest rounds by
     under 20%)."""
     steps = _steps_over_context(runner, context, sizes, batch)
-    times: dict[int, list[float]] = {k: [] for k in sizes}
-    for round_ in range(repeats + 1):
-        for k, run in steps.items():
-            seconds = timed_seconds(run, runner.device)
-            if round_:
-                times[k].append(seconds)
-    fastest = {k: min(times[k]) for k in sizes}
+    rounds = [{k: timed_seconds(run, runner.device) for k, run in steps.items()} for _ in range(repeats + 1)][1:]
+    fastest = {k: min(timings[k] for timings in rounds) for k in sizes}
     base = fastest[sizes[0]]
     return [CostPoint(k, fastest[k], fastest[k] / base) for k in sizes]
 
@@ -102,7 +97,7 @@ def _steps_over_context(runner: HFModelRunner, context: int, sizes: Sequence[int
     return runs
 
 
-def timed_seconds(run, device: torch.device) -> float:
+def timed_seconds(run: Callable[[], object], device: torch.device) -> float:
     """Wall time of one `run()`, waiting for a GPU to finish."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -113,7 +108,7 @@ def timed_seconds(run, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def median_seconds(run, repeats: int, device: torch.device) -> float:
+def median_seconds(run: Callable[[], object], repeats: int, device: torch.device) -> float:
     """Median wall time of `run()` over `repeats` calls after one warm-up, waiting for a GPU to finish."""
     return statistics.median([timed_seconds(run, device) for _ in range(repeats + 1)][1:])
 
