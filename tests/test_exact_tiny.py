@@ -222,14 +222,15 @@ class NoisyOracle:
     ngram=st.integers(2, 6),
     guesses=st.integers(0, 7),
     suffix=st.sampled_from([0, 1, 8, 32]),
+    recycle=st.sampled_from([0, 1, 4]),
     budget=st.booleans(),
     oracle_seed=st.none() | st.integers(0, 2**16),
     max_new_tokens=st.integers(1, 48),
     data=st.data(),
 )
-def test_fuzz_identical_to_greedy(family, prompt, window, ngram, guesses, suffix, budget, oracle_seed,
+def test_fuzz_identical_to_greedy(family, prompt, window, ngram, guesses, suffix, recycle, budget, oracle_seed,
                                   max_new_tokens, data):
-    """Every tested family x random (W, N, G), suffix source and budget x random drafts of random lengths x
+    """Every tested family x random (W, N, G), suffix and recycle sources and budget x random drafts of random lengths x
     random prompt, length and EOS ids, greedy: token-identical to transformers' `generate`. Examples: 50 in
     the quick tier, 1,000 in the full one (conftest)."""
     model = _cached_model(family)
@@ -241,7 +242,8 @@ def test_fuzz_identical_to_greedy(family, prompt, window, ngram, guesses, suffix
     if eos_choice == "from output":
         eos = data.draw(st.lists(st.sampled_from(free_run + [0]), min_size=1, max_size=3, unique=True), label="eos ids")
     expected = reference_greedy(model, ids, max_new_tokens, eos_token_id=eos)
-    config = LookaheadConfig(window=window, ngram=ngram, guesses=guesses, suffix=suffix, budget=budget)
+    config = LookaheadConfig(window=window, ngram=ngram, guesses=guesses, suffix=suffix, recycle=recycle,
+                             budget=budget)
     oracle = [] if oracle_seed is None else [NoisyOracle(prompt + free_run, oracle_seed)]
     out = generate(model, ids, max_new_tokens=max_new_tokens, config=config, eos_token_id=eos, proposers=oracle)
     assert out.sequences.tolist() == expected.tolist()

@@ -22,7 +22,8 @@ import lookahead.sampling
 from lookahead import LookaheadConfig, generate
 from lookahead.core.verify import gumbel_noise, sample_choice
 
-CONFIG = LookaheadConfig(window=3, ngram=3, guesses=4, suffix=8)  # the suffix source: ragged trees
+# The suffix and recycle sources: ragged trees.
+CONFIG = LookaheadConfig(window=3, ngram=3, guesses=4, suffix=8, recycle=2)
 
 
 def wrong_choice(scores, candidates, noise):

@@ -18,6 +18,8 @@ class LookaheadConfig:
     seed: seed for the random prompt tokens that start the window.
     suffix:  the longest draft of the suffix source, which continues the longest earlier occurrences of
              the text's end in the prompt, the output and a shared corpus (0 turns it off).
+    recycle: how many of the model's likeliest next tokens the recycle source keeps per token, from every
+             row a step feeds; it drafts from them where no earlier text matches (0 turns it off).
     budget:  size each step to the model's measured forward cost: keep the draft-tree nodes that maximise
              expected tokens per second (at most 64) and give the window (at most `window` columns)
              rows only where they are nearly free. False: feed every draft and the whole window.
@@ -30,6 +32,7 @@ class LookaheadConfig:
     learn_from_output: bool = True
     seed: int = 0
     suffix: int = 0
+    recycle: int = 0
     budget: bool = False
 
     def __post_init__(self) -> None:
@@ -37,6 +40,7 @@ class LookaheadConfig:
         _check_int("ngram", self.ngram, 2, "an integer >= 2")
         _check_int("guesses", self.guesses, 0, "an integer >= 0 (0 disables verification)")
         _check_int("suffix", self.suffix, 0, "an integer >= 0 (0 disables the suffix source)")
+        _check_int("recycle", self.recycle, 0, "an integer >= 0 (0 disables the recycle source)")
         for name in ("seed_from_prompt", "learn_from_output", "budget"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LookaheadConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -49,11 +53,11 @@ class LookaheadConfig:
 
     @property
     def label(self) -> str:
-        """Short name in reports: W5N4G5, W0N4G5S32, auto (the default) or W5N4G5S32-budget."""
+        """Short name in reports: W5N4G5, W0N4G5S32, auto (the default) or W5N4G5S32R4-budget."""
         if self == AUTO_CONFIG:
             return "auto"
-        return f"W{self.window}N{self.ngram}G{self.guesses}" + (f"S{self.suffix}" if self.suffix else "") + (
-            "-budget" if self.budget else "")
+        sources = (f"S{self.suffix}" if self.suffix else "") + (f"R{self.recycle}" if self.recycle else "")
+        return f"W{self.window}N{self.ngram}G{self.guesses}{sources}" + ("-budget" if self.budget else "")
 
 
 
@@ -63,6 +67,6 @@ def _check_int(name: str, value: object, minimum: int, allowed: str) -> None:
 
 
 # What `config=None` means: every source, each step sized to the device's measured cost curve.
-AUTO_CONFIG = LookaheadConfig(window=5, ngram=4, guesses=5, suffix=32, budget=True)
+AUTO_CONFIG = LookaheadConfig(window=5, ngram=4, guesses=5, suffix=32, recycle=4, budget=True)
 # Lookahead off: one token per step through the same loop (the baseline our own engine is compared with).
 PLAIN_CONFIG = LookaheadConfig(window=0, guesses=0)

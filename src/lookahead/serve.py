@@ -195,7 +195,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     """The app: OpenAI's chat and text completions, models, health. Requests decode on one engine of
     `max_batch` slots; beyond `max_queue` waiting requests, new ones get 429. With `api_keys`, every
     request must carry one (`Authorization: Bearer KEY`); each key has a corpus of its own (the suffix
-    source drafts from earlier requests of the same key, never of another one). compile: as in `generate`;
+    and recycle sources draft from earlier requests of the same key, never of another one). compile: as in `generate`;
     the step shapes compile before the app is returned (`Engine.warm_up`: minutes on a small CPU)."""
     engine = Engine(model, max_batch=max_batch, max_length=max_length, compile=compile)
     engine.warm_up()  # compiled steps: their shapes compile now, not during the first requests

@@ -18,8 +18,9 @@ from .drafter import AcceptanceStats, RankedNodes, RowDemand, node_counts, rank_
 from .drafts import Draft, Proposer
 from .layout import GuessTree, StepLayout, step_layout
 from .pool import NGramPool, PoolProposer
+from .recycle import RecycleProposer, SuccessorTable
 from .suffix import Corpus, SuffixProposer
-from .verify import ROOT, ChooseRule, Verdict, greedy_choice, verify_greedy, walk_tree
+from .verify import ROOT, ChooseRule, Verdict, greedy_choice, top_tokens, verify_greedy, walk_tree
 from .window import LookaheadWindow
 
 # Scores a node's logits given the token ids before it ([1, L], [1, V] -> [1, V]), like a transformers
@@ -55,7 +56,7 @@ class StepResult:
 class LookaheadDecoder:
     """choose: how a node's next token is picked (None: argmax); transform: applied to each node's logits
     first, with the committed tokens before that node (None: none). corpus: earlier requests' text for the
-    suffix source. cost: the step cost curve that sizes the tree and the window when `config.budget` is set.
+    suffix source and their predictions for the recycle source. cost: the step cost curve that sizes the tree and the window when `config.budget` is set.
     proposers: more draft sources, after the pool and the suffix source. stats: acceptance statistics to
     learn from and add to (shared by the requests of an engine); None: this sequence's own."""
 
@@ -79,7 +80,10 @@ class LookaheadDecoder:
         self.pool = NGramPool(config.ngram, config.guesses)
         pool = PoolProposer(self.pool)
         suffix = [SuffixProposer(corpus)] if config.suffix else []
-        self.proposers: list[Proposer] = [pool, *suffix, *proposers]
+        self.recycle = (RecycleProposer(corpus.successors if corpus is not None else SuccessorTable(), config.recycle)
+                        if config.recycle else None)
+        recycle = [self.recycle] if self.recycle else []
+        self.proposers: list[Proposer] = [pool, *suffix, *recycle, *proposers]
         self._learn_from_prompt = [pool] * config.seed_from_prompt + self.proposers[1:]
         self._learn_from_output = [pool] * config.learn_from_output + self.proposers[1:]
         self.stats = stats if stats is not None else AcceptanceStats()
@@ -131,13 +135,16 @@ class LookaheadDecoder:
     def update(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
         """Verify, commit and learn. logits: [len(plan.layout.logit_rows), vocab], the model's outputs at
         those rows in order."""
+        top = top_tokens(logits, min(max(self.config.recycle, 1), logits.shape[-1]))
+        if self.recycle is not None:
+            self._recycle(plan, top)
         if self.choose is None and self.transform is None:
-            return self.update_from_choices(plan, logits.argmax(dim=-1))
+            return self._update_from_choices(plan, top[:, 0])
         width = plan.layout.window_rows.numel()
         verdict = walk_tree(plan.tree, lambda node, accepted: self._scores(
                                 logits[0 if node == ROOT else 1 + width + node], accepted),
                             self.choose or greedy_choice, len(self.sequence))
-        return self._commit(plan, verdict, logits[1 : 1 + width].argmax(dim=-1).tolist())  # greedy Jacobi
+        return self._commit(plan, verdict, top[1 : 1 + width, 0].tolist())  # greedy Jacobi
 
     def choices(self, plan: StepPlan, logits: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
         """The token each of some logit rows leads to: `places` index `plan.layout.logit_rows`, `logits` holds
@@ -145,10 +152,10 @@ class LookaheadDecoder:
         (argmax, or the sample keyed by the position it would take); in the window, the argmax. Picks do
         not depend on which rows are verified, so rows may be picked apart (on different processes) and
         verified together (`update_from_choices`)."""
+        picked = top_tokens(logits)[:, 0]
         if self.choose is None and self.transform is None:
-            return logits.argmax(dim=-1)
+            return picked
         width = plan.layout.window_rows.numel()
-        picked = logits.argmax(dim=-1)
         for index, place in enumerate(places.tolist()):
             if 1 <= place <= width:
                 continue
@@ -160,7 +167,17 @@ class LookaheadDecoder:
 
     def update_from_choices(self, plan: StepPlan, picked: torch.Tensor) -> StepResult:
         """`update` from the token every logit row leads to ([len(plan.layout.logit_rows)], as `choices`
-        gives): the accepted path follows the picked tokens down the tree."""
+        gives): the accepted path follows the picked tokens down the tree. The recycle source learns the
+        picked tokens as each row's one prediction."""
+        if self.recycle is not None:
+            self._recycle(plan, picked.view(-1, 1))
+        return self._update_from_choices(plan, picked)
+
+    def _recycle(self, plan: StepPlan, predicted: torch.Tensor) -> None:
+        """The recycle source learns each logit row's predicted tokens ([rows, k], best first) after its input."""
+        self.recycle.learn(plan.tokens[plan.layout.logit_rows].tolist(), predicted.tolist())
+
+    def _update_from_choices(self, plan: StepPlan, picked: torch.Tensor) -> StepResult:
         width = plan.layout.window_rows.numel()
         verdict = verify_greedy(plan.tree, int(picked[0]), picked[1 + width :])
         return self._commit(plan, verdict, picked[1 : 1 + width].tolist())

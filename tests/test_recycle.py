@@ -1,0 +1,101 @@
+"""The recycle source: the successor table against a replay of what it was taught, its drafts, the decoder
+feeding it every logit row's top tokens, and a corpus sharing it across calls."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lookahead import Corpus, LookaheadConfig, generate
+from lookahead.core.decoder import LookaheadDecoder
+from lookahead.core.drafts import Draft
+from lookahead.core.recycle import RECYCLED_DEPTH, RecycleProposer, SuccessorTable
+from lookahead.core.verify import top_tokens
+
+from conftest import reference_greedy
+from test_exact_tiny import random_prompt
+
+tokens = st.integers(0, 6)
+lessons = st.lists(st.tuples(st.lists(tokens, min_size=1, max_size=4),
+                             st.lists(st.lists(tokens, min_size=1, max_size=3), min_size=4, max_size=4)), max_size=6)
+
+
+def _replayed(taught) -> dict[int, tuple[int, ...]]:
+    """What the table should hold: each token's predictions from the last row that had it as input."""
+    latest: dict[int, tuple[int, ...]] = {}
+    for inputs, predicted in taught:
+        for token, successors in zip(inputs, predicted):
+            latest[token] = tuple(successors)
+    return latest
+
+
+@given(taught=lessons, first=tokens, length=st.integers(1, 12))
+def test_the_table_keeps_the_latest_predictions_and_chains_their_best(taught, first, length):
+    table = SuccessorTable()
+    for inputs, predicted in taught:
+        table.learn(inputs, predicted)
+    latest = _replayed(taught)
+    assert len(table) == len(latest)
+    assert all(table.successors(token) == latest.get(token, ()) for token in range(7))
+    expected = [first]  # by hand: follow each token's best successor while there is one
+    while len(expected) < length and latest.get(expected[-1]):
+        expected.append(latest[expected[-1]][0])
+    assert table.chain(first, length) == tuple(expected)
+
+
+def test_one_draft_per_successor_of_the_last_token_up_to_the_branches_and_depth():
+    table = SuccessorTable()
+    table.learn([5, 6, 7, 8], [(6, 7, 8), (7,), (8, 5), (6,)])
+    proposer = RecycleProposer(table, branches=2)
+    assert proposer.propose([1, 5], 4) == [Draft((6, 7, 8, 6), "recycle"), Draft((7, 8, 6, 7), "recycle")]
+    assert proposer.propose([5], 100)[0].tokens == ((6, 7, 8) * 10)[:RECYCLED_DEPTH]
+    assert proposer.propose([1, 2], 4) == []  # nothing was ever predicted after 2
+
+
+def test_the_decoder_teaches_the_table_every_logit_rows_top_tokens_after_its_input():
+    vocab = 16
+    config = LookaheadConfig(window=2, ngram=3, guesses=2, recycle=3)
+    decoder = LookaheadDecoder(config, [5, 6, 7, 5, 6, 8, 5])
+    plan = decoder.plan()
+    inputs = plan.tokens[plan.layout.logit_rows].tolist()
+    logits = torch.randn(len(inputs), vocab, generator=torch.Generator().manual_seed(0))
+    decoder.update(plan, logits)
+    top = logits.topk(3, dim=-1).indices.tolist()
+    assert {token: decoder.recycle.table.successors(token) for token in inputs} == _replayed([(inputs, top)])
+    assert any(d.source == "recycle" for d in decoder.propose().drafts) == bool(
+        decoder.recycle.table.successors(decoder.sequence[-1]))
+
+
+def test_without_the_recycle_source_no_table_is_kept():
+    decoder = LookaheadDecoder(LookaheadConfig(window=0, recycle=0), [1, 2, 3])
+    assert decoder.recycle is None and [p.name for p in decoder.proposers] == ["pool"]
+
+
+def test_a_corpus_shares_the_predictions_across_calls_and_clear_forgets_them(llama_tiny):
+    prompt = random_prompt(20, 7)
+    config = LookaheadConfig(window=0, ngram=3, guesses=2, recycle=2)
+    corpus = Corpus()
+    out = generate(llama_tiny, prompt, max_new_tokens=12, config=config, corpus=corpus)
+    assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 12))
+    assert len(corpus.successors) > 0  # the call's predictions stayed with the corpus
+    # A later request over the same corpus starts with them: its first step can draft from the table.
+    later = LookaheadDecoder(config, out.sequences[0].tolist(), corpus=corpus)
+    assert later.recycle.table is corpus.successors
+    corpus.clear()
+    assert len(corpus.successors) == 0
+
+
+@given(rows=st.integers(1, 6), vocab=st.integers(4, 40), count=st.integers(1, 4), seed=st.integers(0, 2**16),
+       levels=st.integers(1, 3), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_top_tokens_start_with_the_argmax_and_hold_the_largest_scores(rows, vocab, count, seed, levels, dtype):
+    """Few distinct values, so ties are common: column 0 must still be torch's argmax (the first maximum),
+    which greedy verification relies on; the rest are the next largest scores, no token twice (float32)."""
+    scores = torch.randint(0, levels, (rows, vocab), generator=torch.Generator().manual_seed(seed)).to(dtype)
+    top = top_tokens(scores, count)
+    assert top.shape == (rows, count)
+    assert torch.equal(top[:, 0], scores.argmax(dim=-1))
+    picked = scores.gather(1, top)
+    assert torch.equal(picked, scores.topk(count, dim=-1).values)  # the largest scores, best first
+    if dtype == torch.float32:
+        assert all(len(set(row)) == count for row in top.tolist())
