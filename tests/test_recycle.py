@@ -44,13 +44,16 @@ def test_the_table_keeps_the_latest_predictions_and_chains_their_best(taught, fi
     assert table.chain(first, length) == tuple(expected)
 
 
-def test_one_draft_per_successor_of_the_last_token_up_to_the_branches_and_depth():
+def test_drafts_branch_at_the_first_two_tokens_up_to_the_branches_and_depth():
     table = SuccessorTable()
-    table.learn([5, 6, 7, 8], [(6, 7, 8), (7,), (8, 5), (6,)])
-    proposer = RecycleProposer(table, branches=2)
-    assert proposer.propose([1, 5], 4) == [Draft((6, 7, 8, 6), "recycle"), Draft((7, 8, 6, 7), "recycle")]
-    assert proposer.propose([5], 100)[0].tokens == ((6, 7, 8) * 10)[:RECYCLED_DEPTH]
-    assert proposer.propose([1, 2], 4) == []  # nothing was ever predicted after 2
+    table.learn([5, 6, 7, 8], [(6, 7, 8), (7, 8, 5), (8, 5), (6,)])
+    chains = [(6, 7, 8, 6), (6, 8, 6, 7), (7, 8, 6, 7), (8, 6, 7, 8)]  # 6 best after 5, then 8 best after 6's 7
+    assert [d.tokens for d in RecycleProposer(table, branches=3).propose([1, 5], 4)] == chains
+    assert all(d.source == "recycle" for d in RecycleProposer(table, branches=3).propose([1, 5], 4))
+    assert [d.tokens for d in RecycleProposer(table, branches=2).propose([1, 5], 4)] == [chains[0], chains[2]]
+    assert [d.tokens for d in RecycleProposer(table, branches=3).propose([1, 5], 1)] == [(6,), (7,), (8,)]
+    assert RecycleProposer(table, branches=1).propose([5], 100)[0].tokens == ((6, 7, 8) * 10)[:RECYCLED_DEPTH]
+    assert RecycleProposer(table, branches=3).propose([1, 2], 4) == []  # nothing was ever predicted after 2
 
 
 def test_the_decoder_teaches_the_table_every_logit_rows_top_tokens_after_its_input():
