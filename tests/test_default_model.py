@@ -13,10 +13,11 @@ from lookahead.workloads import load_workload
 
 pytestmark = pytest.mark.slow
 
-# The automatic config, and a fixed one with every part (window, pool, suffix source), each on every
-# other prompt of each workload (so each meets chat, code and math); the fixed default W5 N4 G5 runs in the
-# tiny models' fuzz and, checked identical, in the bench test on this model.
-CONFIGS = {"auto": AUTO_CONFIG, "W4N5G2S16": LookaheadConfig(window=4, ngram=5, guesses=2, suffix=16)}
+# The automatic config, and a fixed one with every part (window, pool, suffix and recycle sources), each on
+# every other prompt of each workload (so each meets chat, code and math); the fixed default W5 N4 G5 runs in
+# the tiny models' fuzz and, checked identical, in the bench test on this model.
+CONFIGS = {"auto": AUTO_CONFIG,
+           "W4N5G2S16R4": LookaheadConfig(window=4, ngram=5, guesses=2, suffix=16, recycle=4)}
 WORKLOADS = {name: load_workload(name)[::step] for name, step in (("mt_bench", 10), ("humaneval", 27), ("gsm8k", 200))}
 CASES = [(workload, prompt, list(CONFIGS)[i % 2])
          for workload, prompts in WORKLOADS.items() for i, prompt in enumerate(prompts)]
@@ -40,6 +41,15 @@ def test_lookahead_takes_fewer_steps_than_tokens_on_code(default_model):
     input_ids = encode_prompt(tokenizer, load_workload("humaneval")[0].turns[0])
     out = generate(model, input_ids, max_new_tokens=128)
     assert out.stats.tokens_per_step > 1.2
+
+
+def test_the_recycle_source_drafts_tokens_the_model_accepts(default_model):
+    """Unbudgeted (every draft fed), so the test does not hang on this machine's cost curve."""
+    model, tokenizer = default_model
+    input_ids = encode_prompt(tokenizer, load_workload("mt_bench")[3].turns[0])
+    out = generate(model, input_ids, max_new_tokens=96, config=LookaheadConfig(window=0, guesses=2, recycle=4))
+    assert torch.equal(out.sequences, reference_greedy(model, input_ids, 96))
+    assert out.stats.accepted_by_source.get("recycle", 0) > 0
 
 
 def test_a_shared_corpus_drafts_the_second_request_from_the_first(default_model):

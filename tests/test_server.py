@@ -160,15 +160,16 @@ def test_seeded_sampling_repeats_and_differs_by_seed(server):
 
 
 def test_the_corpus_is_kept_per_api_key(server):
-    """A request's prompt and reply join its own key's corpus only: another key's requests never draft
-    from it."""
+    """A request's prompt and reply, and the model's predictions while decoding it (the recycle source's
+    table), join its own key's corpus only: another key's requests never draft from them."""
     url, app = server
     corpora = app.state.corpora
-    before = {key: len(corpora[key]) if key in corpora else 0 for key in KEYS}
+    before = {key: (len(corpora[key]), len(corpora[key].successors)) if key in corpora else (0, 0) for key in KEYS}
     question = {"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}
     client(url, KEYS[0]).chat.completions.create(model=MODEL, messages=[question], max_tokens=8, temperature=0)
-    assert len(corpora[KEYS[0]]) == before[KEYS[0]] + 1
-    assert (len(corpora[KEYS[1]]) if KEYS[1] in corpora else 0) == before[KEYS[1]]
+    assert len(corpora[KEYS[0]]) == before[KEYS[0]][0] + 1
+    assert len(corpora[KEYS[0]].successors) > 0
+    assert ((len(corpora[KEYS[1]]), len(corpora[KEYS[1]].successors)) if KEYS[1] in corpora else (0, 0)) == before[KEYS[1]]
 
 
 def test_the_serve_command_starts_on_the_default_model():
