@@ -56,9 +56,10 @@ class StepResult:
 class LookaheadDecoder:
     """choose: how a node's next token is picked (None: argmax); transform: applied to each node's logits
     first, with the committed tokens before that node (None: none). corpus: earlier requests' text for the
-    suffix source and their predictions for the recycle source. cost: the step cost curve that sizes the tree and the window when `config.budget` is set.
-    proposers: more draft sources, after the pool and the suffix source. stats: acceptance statistics to
-    learn from and add to (shared by the requests of an engine); None: this sequence's own."""
+    suffix source and their predictions for the recycle source. cost: the step cost curve that sizes the
+    tree and the window when `config.budget` is set. proposers: more draft sources, after the pool, the
+    suffix and the recycle sources. stats: acceptance statistics to learn from and add to (shared by the
+    requests of an engine); None: this sequence's own."""
 
     def __init__(
         self,
