@@ -73,10 +73,10 @@ def test_pad_batch_refuses_a_shape_it_cannot_reach():
 def test_compiled_steps_give_greedy_generate_output():
     """Greedy decoding through the compiled forward, with lookahead (auto, and a fixed tree with a window)
     in a batch of two prompts of different lengths, equals transformers' `generate` of each, on Gemma 3
-    (sliding and full layers: two masks, both dynamic); the compiled heights are the ones that ran. (The
-    CLI test below compiles a Llama.)"""
+    (sliding and full layers: two masks, both dynamic), its linear layers MKL-packed; the compiled heights
+    are the ones that ran. (The CLI test below compiles a Llama, on the linears the cost curve picks.)"""
     model = make_tiny_model("gemma3")
-    engine = Engine(model, max_batch=2, max_length=64, compile=True)
+    engine = Engine(model, max_batch=2, max_length=64, compile=True, packed_linear=True)
     prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 14)]
     configs = [None, LookaheadConfig(window=3, ngram=3, guesses=3)]
     ids = {engine.add_request(p, RequestParams(24, config)): (p, config) for p, config in zip(prompts, configs)}
@@ -106,25 +106,22 @@ def test_a_compiler_failure_warns_and_runs_eagerly(llama_tiny, monkeypatch):
     assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 12))
 
 
-def test_compile_and_packed_linears_do_not_mix(llama_tiny):
-    with pytest.raises(ValueError, match="packed_linear=True and compile=True cannot be combined"):
-        HFModelRunner(llama_tiny, packed_linear=True, compile=True)
-
-
-def test_an_unknown_compile_mode_is_refused_with_the_modes_allowed(llama_tiny):
-    with pytest.raises(ValueError, match=r"compile must be True, False or one of \('default', 'cpp-wrapper'\), "
-                                         r"got 'fastest'"):
-        generate(llama_tiny, torch.tensor([[5, 6, 7]]), max_new_tokens=2, compile="fastest")
+def test_compiled_steps_take_only_mkl_packed_linears(llama_tiny):
+    """oneDNN's packed linears run eagerly only: a bfloat16 model (which MKL's packer does not take) cannot
+    run packed compiled steps; a float32 one can, through MKL's."""
+    with pytest.raises(ValueError, match=r"bfloat16 \(oneDNN, not compiled\)"):
+        HFModelRunner(make_tiny_model("llama").to(torch.bfloat16), packed_linear=True, compile=True)
+    assert HFModelRunner(llama_tiny, compile=True).packers == ("mkl",)
 
 
 @pytest.mark.slow  # the C++ wrapper compiles for seconds more per step shape
 def test_compiled_with_a_cpp_wrapper_decodes_as_generate_does(llama_tiny):
     """compile="cpp-wrapper" (the compiled kernels called from C++, not Python) gives `generate`'s greedy
-    output. One-row steps only, one graph: the C++ wrapper is an inductor option on the same graphs, whose
-    step shapes the default mode's tests cover."""
+    output, with MKL-packed linears (our op called from the C++ code). One-row steps only, one graph: the
+    C++ wrapper is an inductor option on the same graphs, whose step shapes the default mode's tests cover."""
     prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(3))
     out = generate(llama_tiny, prompt, max_new_tokens=24, config=LookaheadConfig(window=0, guesses=0),
-                   compile="cpp-wrapper")
+                   compile="cpp-wrapper", packed_linear=True)
     assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 24))
     assert out.stats.compile_seconds > 0
 
@@ -185,6 +182,24 @@ def test_each_size_costs_its_fastest_round_the_sizes_timed_in_turn(llama_tiny, m
     assert [p.relative for p in points] == [1.0, 1.3, 2.0]
 
 
+def test_the_linear_paths_are_timed_in_turn_too(llama_tiny, monkeypatch):
+    """Two linear paths measured one after the other would differ by the machine's drift: within each round
+    every path times every size, and each (path, size) keeps its fastest round."""
+    import lookahead.costs as costs
+
+    runner = HFModelRunner(llama_tiny)
+    order, scripted = [], iter([1.0] * 4 + [3.0, 5.0, 4.0, 6.0] * 2 + [2.0, 4.0, 5.0, 7.0] * 3)
+
+    def timed(run, device):
+        run()
+        order.append(runner.packer)
+        return next(scripted)
+
+    monkeypatch.setattr(costs, "timed_seconds", timed)
+    assert costs._seconds(runner, [None, "mkl"], sizes=(1, 2)) == {None: [2.0, 4.0], "mkl": [4.0, 6.0]}
+    assert order == [None, None, "mkl", "mkl"] * 6
+
+
 @pytest.fixture
 def costs(monkeypatch, tmp_path):
     """`lookahead.costs` with nothing measured before the test and an eager curve of 10, 11, 13, 20 ms for
@@ -194,8 +209,29 @@ def costs(monkeypatch, tmp_path):
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
     monkeypatch.setattr(costs, "_MEASURED", {})
     monkeypatch.setattr(costs, "CURVE_SIZES", (1, 2, 4, 8))
-    monkeypatch.setattr(costs, "_seconds", lambda runner, packed_from, sizes=(), batch=1: [10.0, 11.0, 13.0, 20.0])
+    monkeypatch.setattr(costs, "_seconds", lambda runner, packers, sizes=(), batch=1, packed_from=1:
+                        {packer: [10.0, 11.0, 13.0, 20.0] for packer in packers})
     return costs
+
+
+@pytest.mark.parametrize("packers, packer, packed_from, relative", [
+    (("mkl", "onednn"), "mkl", 4, [1.0, 1.1, 1.1, 1.4]),  # mkl: faster from 4 rows on; onednn: from 8 only
+    (("onednn",), "onednn", 8, [1.0, 1.1, 1.3, 1.5]),
+    (("slow",), None, None, [1.0, 1.1, 1.3, 2.0]),  # faster at 2 rows only: never taken
+    ((), None, None, [1.0, 1.1, 1.3, 2.0]),
+])
+def test_the_cost_curve_picks_the_packer_and_the_height_it_pays_from(llama_tiny, monkeypatch, costs, packers, packer,
+                                                                      packed_from, relative):
+    """Scripted times: plain 10, 11, 13, 20 ms for 1, 2, 4, 8 rows; a packer takes over from the height
+    where it is faster at that height and every larger one; of two, the one with the lower curve."""
+    times = {None: [10.0, 11.0, 13.0, 20.0], "mkl": [10.5, 11.5, 11.0, 14.0], "onednn": [12.0, 12.0, 13.5, 15.0],
+             "slow": [12.0, 10.0, 14.0, 21.0]}
+    monkeypatch.setattr(costs, "_seconds", lambda runner, packers, sizes=(), batch=1, packed_from=1:
+                        {packer: times[packer] for packer in packers})
+    monkeypatch.setattr(lookahead.hf.PackedLinears, "packers", staticmethod(lambda model, compiled: packers))
+    runner = HFModelRunner(llama_tiny)
+    assert costs.cost_curve(runner).relative == pytest.approx(relative)
+    assert (runner.packer, runner.packed_from) == (packer, packed_from)
 
 
 @pytest.mark.parametrize("compiled, expected", [(4.0, [1.0, 1.25, 1.75, 3.5]), (None, [1.0, 1.1, 1.3, 2.0])],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -14,7 +15,8 @@ from lookahead import LookaheadConfig, generate
 from lookahead.core.drafts import Draft
 from lookahead.core.layout import build_guess_tree, step_layout
 from lookahead.costs import cost_curve
-from lookahead.hf import HFModelRunner
+from lookahead import hf
+from lookahead.hf import HFModelRunner, PackedLinears
 from lookahead.runtime.batch import StepInput, causal_step, pack_steps
 
 CONFIGS = [
@@ -268,17 +270,40 @@ def test_default_config_is_the_automatic_one(llama_tiny):
     assert implicit.stats.accepted_per_step == explicit.stats.accepted_per_step  # the same cached cost curve
 
 
-@pytest.mark.parametrize("packed_linear", [True, False])
-def test_packed_linear_path_is_exact_and_leaves_the_model_as_it_was(tiny_model, packed_linear):
+@pytest.mark.parametrize("packer", ["mkl", "onednn", None])
+def test_packed_linear_path_is_exact_and_leaves_the_model_as_it_was(tiny_model, packer, monkeypatch):
+    """packed_linear=True through each packer (the only one offered), and False."""
+    monkeypatch.setattr(PackedLinears, "packers", staticmethod(lambda model, compiled: (packer,)))
     prompt = random_prompt(25, 23)
     expected = reference_greedy(tiny_model, prompt, 40)
-    out = generate(tiny_model, prompt, max_new_tokens=40, config=LookaheadConfig(), packed_linear=packed_linear)
+    out = generate(tiny_model, prompt, max_new_tokens=40, config=LookaheadConfig(), packed_linear=packer is not None)
     assert torch.equal(out.sequences, expected)
     linears = [m for m in tiny_model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all("forward" not in vars(m) for m in linears)
 
 
+def test_the_mkl_packed_linear_op_computes_the_linear_layer():
+    """`lookahead::mkl_linear` on a packed weight, for 1-64 rows in leading dimensions of any shape, with and
+    without a bias; the pack is dropped with its `PackedLinears`, and a weight without one takes the plain
+    path."""
+    linear = torch.nn.Linear(48, 80)
+    packed = PackedLinears(linear, "mkl")
+    assert linear.weight.data_ptr() in hf._MKL_PACKED
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(1, 48), (1, 3, 48), (2, 4, 48), (64, 48)]:
+        x = torch.randn(shape, generator=generator)
+        for bias in (linear.bias, None):
+            out = torch.ops.lookahead.mkl_linear(x, weight=linear.weight, bias=bias)
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, linear.weight, bias))
+    with packed.active():
+        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    del packed
+    gc.collect()
+    assert linear.weight.data_ptr() not in hf._MKL_PACKED
+    torch.testing.assert_close(torch.ops.lookahead.mkl_linear(x, weight=linear.weight, bias=None), x @ linear.weight.T)
+
+
 def test_packed_linear_refused_where_unsupported():
     model = make_tiny_model("llama").to(torch.float16)
-    with pytest.raises(ValueError, match="packed_linear=True needs a float32 or bfloat16 model on CPU"):
+    with pytest.raises(ValueError, match="packed_linear=True needs a model on CPU in float32"):
         generate(model, [5, 6, 7], packed_linear=True)

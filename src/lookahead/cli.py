@@ -426,7 +426,7 @@ def cost_command(
     context: Annotated[int, typer.Option(min=1, help="Cached tokens before the step.")] = 256,
     max_k: Annotated[int, typer.Option(min=1, help="Largest k (powers of two up to it).")] = 128,
     repeats: Annotated[int, typer.Option(min=1)] = 5,
-    packed_linear: Annotated[Optional[bool], typer.Option(help="Prepacked oneDNN linears (CPU) or not; default: the path generate takes on this machine (measured).")] = None,
+    packed_linear: Annotated[Optional[bool], typer.Option(help="Prepacked linears (CPU: MKL or oneDNN) or not; default: the path generate takes on this machine (measured).")] = None,
     model: ModelOption = None,
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",

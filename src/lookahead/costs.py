@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -23,7 +24,7 @@ from .models import cache_root
 from .runtime.batch import causal_step, pack_steps
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
-COST_FORMAT_VERSION = 5
+COST_FORMAT_VERSION = 6
 
 
 class CostCurve:
@@ -71,11 +72,15 @@ def forward_cost(
     the cores only ever adds time, in bursts; the fastest round of each size is the least touched by them
     (under a bursty load measured here, medians were off by up to 3x at some sizes, the fastest rounds by
     under 20%)."""
-    steps = _steps_over_context(runner, context, sizes, batch)
-    rounds = [{k: timed_seconds(run, runner.device) for k, run in steps.items()} for _ in range(repeats + 1)][1:]
-    fastest = {k: min(timings[k] for timings in rounds) for k in sizes}
+    fastest = _fastest_rounds(_steps_over_context(runner, context, sizes, batch), repeats, runner.device)
     base = fastest[sizes[0]]
     return [CostPoint(k, fastest[k], fastest[k] / base) for k in sizes]
+
+
+def _fastest_rounds(runs: dict, repeats: int, device: torch.device) -> dict:
+    """Each run's fastest of `repeats` rounds, every run timed in turn in each round, after a warm-up round."""
+    rounds = [{key: timed_seconds(run, device) for key, run in runs.items()} for _ in range(repeats + 1)][1:]
+    return {key: min(timings[key] for timings in rounds) for key in runs}
 
 
 def _steps_over_context(runner: HFModelRunner, context: int, sizes: Sequence[int],
@@ -119,16 +124,24 @@ def _curve_key(runner: HFModelRunner) -> str:
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else runner.device.type
     described = json.dumps([COST_FORMAT_VERSION, type(model).__name__, config, str(runner.dtype), device,
-                            torch.get_num_threads(), runner.packing, torch.__version__], sort_keys=True, default=str)
+                            torch.get_num_threads(), runner.packing, runner.packers, torch.__version__], sort_keys=True, default=str)
     return hashlib.blake2b(described.encode(), digest_size=16).hexdigest()
 
 
-def _seconds(runner: HFModelRunner, packed_from: int | None, sizes: Sequence[int] = CURVE_SIZES,
-             batch: int = 1) -> list[float]:
-    runner.packed_from = packed_from
+def _seconds(runner: HFModelRunner, packers: Sequence[str | None], sizes: Sequence[int] = CURVE_SIZES,
+             batch: int = 1, packed_from: int | None = 1) -> dict[str | None, list[float]]:
+    """Each linear path's step times (None: the plain one), the paths timed in turn in each round as the
+    sizes are: measured one after the other, two paths differed by the machine's drift (a one-row step
+    7% faster packed, then 3% slower when timed in turn)."""
+
+    def through(packer: str | None, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        return lambda: (runner.use_packed(packer, packed_from), run())[1]
+
     with runner.eager(), runner.untimed():  # compiling every size up front would take minutes on a CPU
-        return [point.seconds for point in forward_cost(runner, context=128, sizes=tuple(sizes), repeats=5,
-                                                        batch=batch)]
+        steps = _steps_over_context(runner, 128, sizes, batch)
+        fastest = _fastest_rounds({(packer, k): through(packer, run) for packer in packers for k, run in steps.items()},
+                                  5, runner.device)
+    return {packer: [fastest[packer, k] for k in sizes] for packer in packers}
 
 
 def _stored(path, measure) -> dict:
@@ -151,28 +164,32 @@ _MEASURED: dict[str, dict] = {}  # file stem -> measured seconds, read from disk
 
 def cost_curve(runner: HFModelRunner) -> CostCurve:
     """T(k) for k in CURVE_SIZES on the path the runner takes, measured once per model shape and machine
-    setting, then read from disk. Where the runner may use prepacked linears (`packing` None), both paths
-    are measured and the runner is set to take the packed one from the step size on which it is faster
-    at every larger size (never, or always, where one path wins throughout); the curve is then the faster
-    path's at each size."""
+    setting, then read from disk. Where the runner may use prepacked linears (`packing` None), the plain
+    path and each packer's are measured; a packer takes over from the step size on which it is faster than
+    the plain path at every larger size (never, or always, where one path wins throughout), and of the
+    packers the one whose resulting curve is lowest (geometric mean over the sizes) is set on the runner.
+    The curve is then the path's that runs at each size."""
 
     def measure() -> dict:
-        measured = {"sizes": list(CURVE_SIZES), "plain": None, "packed": None}
-        if runner.packing is not True:
-            measured["plain"] = _seconds(runner, None)
-        if runner.packing is not False:
-            measured["packed"] = _seconds(runner, 1)
-        return measured
+        paths = ([None] if runner.packing is not True else []) + list(runner.packers if runner.packing is not False else ())
+        measured = _seconds(runner, paths)
+        return {"sizes": list(CURVE_SIZES), "plain": measured.pop(None, None), **measured}
 
     measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}.json", measure)
-    sizes, plain, packed = measured["sizes"], measured["plain"], measured["packed"]
-    if plain is None or packed is None:
-        runner.packed_from = None if packed is None else 1
-        return _curve(runner, sizes, plain or packed, 1)
-    faster = [p < q for p, q in zip(packed, plain)]
-    runner.packed_from = next((k for i, k in enumerate(sizes) if all(faster[i:])), None)
-    on = [runner.packed_from is not None and k >= runner.packed_from for k in sizes]
-    return CostCurve(sizes, [p if use else q for p, q, use in zip(packed, plain, on)])
+    sizes, plain = measured["sizes"], measured["plain"]
+    options = [(None, None, plain)] if plain is not None else []
+    for packer in runner.packers if runner.packing is not False else ():
+        packed = measured[packer]
+        if plain is None:
+            options.append((packer, 1, packed))
+            continue
+        faster = [p < q for p, q in zip(packed, plain)]
+        packed_from = next((k for i, k in enumerate(sizes) if all(faster[i:])), None)
+        on = [packed_from is not None and k >= packed_from for k in sizes]
+        options.append((packer, packed_from, [p if use else q for p, q, use in zip(packed, plain, on)]))
+    packer, packed_from, seconds = min(options, key=lambda option: sum(math.log(t) for t in option[2]))
+    runner.use_packed(packer if packed_from is not None else None, packed_from)
+    return _curve(runner, sizes, seconds, 1)
 
 
 def batch_cost_curve(runner: HFModelRunner, batch: int) -> CostCurve:
@@ -184,8 +201,10 @@ def batch_cost_curve(runner: HFModelRunner, batch: int) -> CostCurve:
     if batch == 1:
         return curve
     sizes = [h for h in CURVE_SIZES if batch * h <= max(128, 2 * batch)]
-    measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}-{runner.packed_from}-b{batch}.json",
-                       lambda: {"sizes": sizes, "seconds": _seconds(runner, runner.packed_from, sizes, batch)})
+    path = runner.packer and f"{runner.packer}{runner.packed_from}"
+    measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}-{path}-b{batch}.json",
+                       lambda: {"sizes": sizes, "seconds": _seconds(runner, [runner.packer], sizes, batch,
+                                                                    runner.packed_from)[runner.packer]})
     return _curve(runner, measured["sizes"], measured["seconds"], batch)
 
 
@@ -200,7 +219,8 @@ def _curve(runner: HFModelRunner, sizes: Sequence[int], eager: Sequence[float], 
     if not runner.compile:
         return CostCurve(sizes, eager)
     mode = "" if runner.compile_mode == "default" else f"-{runner.compile_mode}"
-    key = f"{_curve_key(runner)}-{runner.packed_from}-b{batch}-compiled{mode}"
+    path = runner.packer and f"{runner.packer}{runner.packed_from}"
+    key = f"{_curve_key(runner)}-{path}-b{batch}-compiled{mode}"
     step = _stored(cache_root() / "costs" / f"{key}.json", lambda: _compiled_step(runner, batch))
     if step["compiled"] is None:  # the step did not compile here: it runs, and is priced, eagerly
         return CostCurve(sizes, eager, COMPILED_HEIGHTS)

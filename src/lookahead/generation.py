@@ -61,8 +61,9 @@ def generate(
     merged into the same tree (one prompt only: a proposer keeps one sequence's state).
     eos_token_id: one id or several; None takes the model's generation config. streamer: any transformers
     streamer (one prompt only); it gets the prompt, then every committed token. packed_linear: run the
-    model's linear layers on oneDNN-prepacked weights (CPU float32/bfloat16 only; None: for the step sizes
-    where that measured faster on this machine); see `hf.PackedLinears`. compile: run decoding steps through
+    model's linear layers on prepacked weights (CPU: MKL's for float32, compiled or not; oneDNN's for float32
+    or bfloat16, eager; None: the packer and the step sizes that measured faster on this machine); see
+    `hf.PackedLinears`. compile: run decoding steps through
     `torch.compile` of the model, padded to a few fixed heights (`hf.COMPILED_HEIGHTS`), each compiled on
     first use (seconds to minutes per height on a CPU; a height whose compilation fails runs eagerly, with a
     warning). Off by default: on our 2-core CPU it saves 8-9 ms of a 22-37 ms step, but compiling costs 10-70 s

@@ -3,6 +3,7 @@ forward (a 4-D attention mask, explicit position ids, and our `KVStore` as the c
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import time
@@ -42,28 +43,47 @@ def context_length(model: PreTrainedModel) -> int | None:
 
 
 class PackedLinears:
-    """oneDNN-prepacked copies of a CPU model's `nn.Linear` weights, swapped in for our forward passes only.
+    """Prepacked copies of a CPU model's `nn.Linear` weights, swapped in for our forward passes only.
 
-    On some CPUs oneDNN's linear on a prepacked weight runs 1.4-1.6x faster than the default BLAS path for
-    the 1..64-row inputs of decoding steps (an AMD EPYC), on others slower (an AVX-512 Xeon): which path
-    runs is measured per machine (`costs.cost_curve`). The model itself is left as it was: the packed forward is
-    set on each Linear instance on entering `active()` and removed on leaving. It costs a second copy of
-    the linear weights, taken when first used: later in-place weight changes are not seen.
+    Two packers: MKL's packed single-precision GEMM (float32), which also runs inside compiled steps (our
+    `lookahead::mkl_linear` op), and oneDNN's prepacked linear (float32 or bfloat16, eager only). Which one
+    runs, and from which step height, is measured per machine (`costs.cost_curve`): on an AMD EPYC oneDNN
+    ran 1.4-1.6x faster than the default BLAS path for the 1..64-row inputs of decoding steps; on an AVX-512
+    Xeon oneDNN was slower at every height, and MKL's packed weights cost 2% more for one row and 23-31%
+    less for 4 to 16 rows (the default BLAS call repacks the whole weight on each call from 4 rows on).
+    The model itself is left as it was: the packed forward is set on each Linear instance on entering
+    `active()` and removed on leaving. It costs a second copy of the linear weights, taken when first used:
+    later in-place weight changes are not seen.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, packer: str) -> None:
+        self.packer = packer
         self._forwards: list[tuple[torch.nn.Linear, object]] = []
+        self._mkl_weights: list[int] = []
         for module in model.modules():
-            if type(module) is torch.nn.Linear:
-                weight = module.weight.detach().to_mkldnn()
-                bias = None if module.bias is None else module.bias.detach()
-                self._forwards.append((module, _packed_forward(weight, bias)))
+            if type(module) is not torch.nn.Linear:
+                continue
+            weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
+            if packer == "mkl":
+                if weight.data_ptr() not in _MKL_PACKED:
+                    _MKL_PACKED[weight.data_ptr()] = torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACKED_ROWS)
+                    self._mkl_weights.append(weight.data_ptr())
+                self._forwards.append((module, functools.partial(torch.ops.lookahead.mkl_linear, weight=module.weight,
+                                                                 bias=module.bias)))
+            else:
+                self._forwards.append((module, _onednn_forward(weight.to_mkldnn(), bias)))
+        weakref.finalize(self, _forget_mkl_packed, self._mkl_weights)
 
     @staticmethod
-    def supported(model: torch.nn.Module) -> bool:
-        return (model.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16)
-                and torch.backends.mkldnn.is_available() and not is_sharded(model)
-                and any(type(module) is torch.nn.Linear for module in model.modules()))
+    def packers(model: torch.nn.Module, compiled: bool) -> tuple[str, ...]:
+        """The packers that can run this model's linears: none off the CPU or without an `nn.Linear`; only
+        MKL (float32) for compiled steps."""
+        if (model.device.type != "cpu" or is_sharded(model)
+                or not any(type(module) is torch.nn.Linear for module in model.modules())):
+            return ()
+        mkl = model.dtype == torch.float32 and torch.backends.mkl.is_available()
+        onednn = model.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+        return ("mkl",) * mkl + ("onednn",) * (onednn and not compiled)
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -76,7 +96,35 @@ class PackedLinears:
                 del module.forward
 
 
-def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
+# MKL packs a weight for a number of rows, but a pack serves any number (the rows are an argument of each
+# call); packed for 64 (our tallest compiled step), it ran as fast as a pack for 4 or 16 rows at 1-16 rows
+# and 24% faster at 64 on a 2-core Xeon. Packs are kept by the address of the weight they copy, so that a
+# compiled graph passes the weight and the op finds its pack without Python in between.
+_MKL_PACKED_ROWS = 64
+_MKL_PACKED: dict[int, torch.Tensor] = {}  # a weight's data_ptr -> its MKL-packed copy
+_LIBRARY = torch.library.Library("lookahead", "DEF")
+_LIBRARY.define("mkl_linear(Tensor x, *, Tensor weight, Tensor? bias) -> Tensor")
+
+
+def _mkl_linear(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`nn.Linear`'s forward on the weight's MKL-packed copy (the plain one where it has none)."""
+    rows = x.reshape(-1, x.shape[-1])
+    packed = _MKL_PACKED.get(weight.data_ptr())
+    out = (torch.nn.functional.linear(rows, weight, bias) if packed is None
+           else torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0]))
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+_LIBRARY.impl("mkl_linear", _mkl_linear, "CPU")
+_LIBRARY.impl("mkl_linear", lambda x, *, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]), "Meta")
+
+
+def _forget_mkl_packed(weights: list[int]) -> None:
+    for pointer in weights:
+        _MKL_PACKED.pop(pointer, None)
+
+
+def _onednn_forward(weight: torch.Tensor, bias: torch.Tensor | None):
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
@@ -88,7 +136,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(parameter, DTensor) for parameter in model.parameters())
 
 
-_PACKED: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
+_PACKED: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, PackedLinears]] = weakref.WeakKeyDictionary()
 
 
 def check_model(model: PreTrainedModel) -> None:
@@ -179,21 +227,35 @@ class HFModelRunner:
         self.device = model.device
         self.dtype = model.dtype
         self.forward_seconds = 0.0  # time spent inside the model's forward, for profiling
-        if packed_linear and not PackedLinears.supported(model):
-            raise ValueError("packed_linear=True needs a float32 or bfloat16 model on CPU with oneDNN (mkldnn) available")
-        if packed_linear and self.compile:
-            raise ValueError("packed_linear=True and compile=True cannot be combined: the compiled forward takes "
-                             "the model's own linear layers")
-        # None: measure which path is faster here; `costs.cost_curve` decides and sets `packed_from`.
-        self.packing: bool | None = packed_linear if packed_linear is not None else (
-            None if PackedLinears.supported(model) and not self.compile else False)
+        # The packers this runner may use; None: measure whether (and from which step height) one of them is
+        # faster here, `costs.cost_curve` decides and calls `use_packed`.
+        self.packers = PackedLinears.packers(model, compiled=self.compile) if packed_linear is not False else ()
+        if packed_linear and not self.packers:
+            raise ValueError("packed_linear=True needs a model on CPU in float32 (MKL or oneDNN) or bfloat16 "
+                             "(oneDNN, not compiled) with those libraries available")
+        self.packing: bool | None = packed_linear if packed_linear is not None else (None if self.packers else False)
         self._compiled = _compiled_forward(model, self.compile_mode) if self.compile else None
         self._eager_heights: set[int] = set()  # heights whose compilation failed
         self.compile_seconds: dict[int, float] = {}  # step height -> seconds of its first (compiling) call
-        if self.packing is not False and model not in _PACKED:
-            _PACKED[model] = PackedLinears(model)
-        self._packed = _PACKED[model] if self.packing is not False else None
-        self.packed_from: int | None = 1 if self.packing else None  # steps this long or longer run packed
+        self._packed: PackedLinears | None = None
+        self.packed_from: int | None = None  # steps this long or longer run packed
+        if self.packing:
+            self.use_packed(self.packers[0], 1)
+
+    def use_packed(self, packer: str | None, packed_from: int | None = 1) -> None:
+        """Run steps of `packed_from` rows or more through `packer`'s linears (None: never packed)."""
+        if packer is not None and packer not in self.packers:
+            raise ValueError(f"packer must be one of {self.packers}, got {packer!r}")
+        packs = _PACKED.setdefault(self.model, {})
+        if packer is not None and packer not in packs:
+            packs[packer] = PackedLinears(self.model, packer)
+        self._packed = None if packer is None else packs[packer]
+        self.packed_from = None if packer is None else packed_from
+
+    @property
+    def packer(self) -> str | None:
+        """The packer steps of `packed_from` rows or more run through, if any."""
+        return None if self._packed is None else self._packed.packer
 
     def _forward(self, input_ids: torch.Tensor, compiled: bool = False, **kwargs):
         start = time.perf_counter()
@@ -206,12 +268,15 @@ class HFModelRunner:
 
     def warm_up(self, slots: int) -> None:
         """Compile, before serving, the step shapes that an engine of `slots` sequences meets: one sequence
-        or several (in the first slots, or with slots between them padded), one row or more each. Dynamo
-        treats a size of 1 apart from the others: each of these is a graph of its own (10-70 s on a 2-core
-        CPU), which would otherwise compile in the middle of a run, stalling every sequence in it."""
+        or several (in the first slots, or with slots between them padded), one row or more each, on the
+        plain linears and, from `packed_from` rows, the packed ones. Dynamo treats a size of 1 apart from the
+        others, and packed linears are another forward: each of these is a graph of its own (10-70 s on a
+        2-core CPU), which would otherwise compile in the middle of a run, stalling every sequence in it."""
         if self._compiled is None:
             return
-        store = self.new_store(slots, 64)
+        heights = [height for height in COMPILED_HEIGHTS if height <= max(2, self.packed_from or 0)]
+        # Longer than any step below attends to: where the two were equal, dynamo would specialise on it.
+        store = self.new_store(slots, 64 + heights[-1])
         prompt = causal_step(torch.zeros(8, dtype=torch.long))
         groups = [[0], [1], [0, 1], [0, 2]]  # (compiled steps cover the first slots: padded to them)
         with self.untimed():
@@ -219,7 +284,7 @@ class HFModelRunner:
             for slot in range(slots):
                 store.extend(slot, 8)
             for group in [g for g in groups if max(g) < slots]:
-                for rows in (1, 2):
+                for rows in heights:
                     step = causal_step(torch.zeros(rows, dtype=torch.long), logits=rows)
                     self.forward(store, pack_steps(group, [8] * len(group), [step] * len(group)))
 
