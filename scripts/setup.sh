@@ -11,3 +11,6 @@ cd "$(dirname "$0")/.."
 if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
+# The default model's GGUF file dequantised into the cache now (about 20 s, once), not by the first command
+# (or test) that loads it.
+.venv/bin/python -c "from lookahead import load_model; load_model()"
