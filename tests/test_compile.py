@@ -5,6 +5,7 @@ and a compiler failure must leave a warning and an eager run with the same outpu
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -212,6 +213,29 @@ def costs(monkeypatch, tmp_path):
     monkeypatch.setattr(costs, "_seconds", lambda runner, packers, sizes=(), batch=1, packed_from=1:
                         {packer: [10.0, 11.0, 13.0, 20.0] for packer in packers})
     return costs
+
+
+def test_a_curve_is_measured_by_one_process_at_a_time(costs, tmp_path):
+    """Two callers wanting the same curve at once (threads here, test workers or servers in practice): one
+    measures, the other waits and reads what it wrote, instead of measuring under the first one's load."""
+    import threading
+
+    calls = []
+
+    def measure():
+        calls.append(threading.get_ident())
+        time.sleep(0.3)
+        return {"seconds": [1.0, 2.0]}
+
+    path = tmp_path / "costs" / "curve.json"
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(costs._stored(path, measure))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and results == [{"seconds": [1.0, 2.0]}] * 2
+    assert json.loads(path.read_text()) == {"seconds": [1.0, 2.0]}
 
 
 @pytest.mark.parametrize("packers, packer, packed_from, relative", [

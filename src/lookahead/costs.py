@@ -15,8 +15,10 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from filelock import FileLock
 from transformers import PreTrainedModel
 
 from .hf import COMPILED_HEIGHTS, HFModelRunner
@@ -144,18 +146,21 @@ def _seconds(runner: HFModelRunner, packers: Sequence[str | None], sizes: Sequen
     return {packer: [fastest[packer, k] for k in sizes] for packer in packers}
 
 
-def _stored(path, measure) -> dict:
-    """What `measure()` returns, measured once: kept in memory and on disk (written atomically)."""
+def _stored(path: Path, measure: Callable[[], dict]) -> dict:
+    """What `measure()` returns, measured once: kept in memory and on disk (written atomically). One process
+    measures a file at a time (a lock per file), the others then read it: two measuring at once would do the
+    work twice, each timing its steps under the other's load."""
     key = path.stem
     if key not in _MEASURED:
-        if path.is_file():
-            _MEASURED[key] = json.loads(path.read_text())
-        else:
-            _MEASURED[key] = measure()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-            partial.write_text(json.dumps(_MEASURED[key]))
-            os.replace(partial, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(path.with_name(f".{path.name}.lock")):
+            if path.is_file():
+                _MEASURED[key] = json.loads(path.read_text())
+            else:
+                _MEASURED[key] = measure()
+                partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+                partial.write_text(json.dumps(_MEASURED[key]))
+                os.replace(partial, path)
     return _MEASURED[key]
 
 
