@@ -254,8 +254,21 @@ def test_the_cost_curve_picks_the_packer_and_the_height_it_pays_from(llama_tiny,
                         {packer: times[packer] for packer in packers})
     monkeypatch.setattr(lookahead.hf.PackedLinears, "packers", staticmethod(lambda model, compiled: packers))
     runner = HFModelRunner(llama_tiny)
+    for each in packers:  # measuring packs with each packer; the packs of those not taken are freed
+        runner.use_packed(each)
     assert costs.cost_curve(runner).relative == pytest.approx(relative)
     assert (runner.packer, runner.packed_from) == (packer, packed_from)
+    assert set(lookahead.hf._PACKED.get(llama_tiny, {})) == ({packer} - {None})
+
+
+def test_a_packer_is_offered_only_where_its_copy_fits_in_half_the_free_memory(llama_tiny, monkeypatch):
+    """MKL's packs take twice the bytes of the float32 weights, oneDNN's once."""
+    weights = sum(m.weight.nbytes for m in llama_tiny.modules() if type(m) is torch.nn.Linear)
+    for free, packers in [(4 * weights, ("mkl", "onednn")), (3 * weights, ("onednn",)), (weights, ())]:
+        monkeypatch.setattr(lookahead.hf, "available_memory", lambda: free)
+        assert lookahead.hf.PackedLinears.packers(llama_tiny, compiled=False) == packers
+    with pytest.raises(ValueError, match="free memory for a packed copy of its linear weights"):
+        HFModelRunner(llama_tiny, packed_linear=True)
 
 
 @pytest.mark.parametrize("compiled, expected", [(4.0, [1.0, 1.25, 1.75, 3.5]), (None, [1.0, 1.1, 1.3, 2.0])],

@@ -194,6 +194,7 @@ def cost_curve(runner: HFModelRunner) -> CostCurve:
         options.append((packer, packed_from, [p if use else q for p, q, use in zip(packed, plain, on)]))
     packer, packed_from, seconds = min(options, key=lambda option: sum(math.log(t) for t in option[2]))
     runner.use_packed(packer if packed_from is not None else None, packed_from)
+    runner.drop_other_packs()
     return _curve(runner, sizes, seconds, 1)
 
 

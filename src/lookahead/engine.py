@@ -9,7 +9,6 @@ rows of the step are shared across the batch by the forward cost curve (`core.dr
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -25,7 +24,7 @@ from .core.drafter import AcceptanceStats, node_counts
 from .core.drafts import Proposer
 from .core.suffix import Corpus
 from .costs import CostCurve, batch_cost_curve
-from .hf import HFModelRunner, check_model, context_length, is_sharded, vocabulary_size
+from .hf import HFModelRunner, available_memory, check_model, context_length, is_sharded, vocabulary_size
 from .runtime.batch import StepInput, causal_step, pack_steps
 from .sampling import decoding_rule
 
@@ -359,25 +358,12 @@ def _check_memory(runner: HFModelRunner, slots: int, capacity: int) -> None:
     if runner.device.type == "cuda":
         free = torch.cuda.mem_get_info(runner.device)[0]
     else:
-        free = _available_memory()
+        free = available_memory()
     if needed > free:
         raise MemoryError(
             f"the KV store for max_batch={slots} sequences of up to {capacity} positions needs "
             f"{needed / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on {runner.device}; "
             "lower max_batch or max_length")
-
-
-def _available_memory() -> int:
-    """Bytes the kernel could give us now: Linux's MemAvailable (free memory plus the page cache it can
-    drop), else the free pages alone."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def kept_tokens(tokens: list[int], left: int, stop_ids: set[int]) -> tuple[list[int], bool]:

@@ -77,12 +77,16 @@ class PackedLinears:
     @staticmethod
     def packers(model: torch.nn.Module, compiled: bool) -> tuple[str, ...]:
         """The packers that can run this model's linears: none off the CPU or without an `nn.Linear`; only
-        MKL (float32) for compiled steps."""
-        if (model.device.type != "cpu" or is_sharded(model)
-                or not any(type(module) is torch.nn.Linear for module in model.modules())):
+        MKL (float32) for compiled steps; only those whose copy takes at most half the memory free now
+        (MKL's packs took twice the bytes of the default model's float32 weights, oneDNN's about once)."""
+        linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
+        if model.device.type != "cpu" or is_sharded(model) or not linears:
             return ()
-        mkl = model.dtype == torch.float32 and torch.backends.mkl.is_available()
-        onednn = model.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+        weights = sum(module.weight.nbytes for module in {id(m.weight): m for m in linears}.values())
+        room = available_memory() / 2
+        mkl = model.dtype == torch.float32 and torch.backends.mkl.is_available() and 2 * weights <= room
+        onednn = (model.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+                  and weights <= room)
         return ("mkl",) * mkl + ("onednn",) * (onednn and not compiled)
 
     @contextmanager
@@ -129,6 +133,19 @@ def _onednn_forward(weight: torch.Tensor, bias: torch.Tensor | None):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
     return forward
+
+
+def available_memory() -> int:
+    """Bytes the kernel could give us now: Linux's MemAvailable (free memory plus the page cache it can
+    drop), else the free pages alone."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -232,7 +249,8 @@ class HFModelRunner:
         self.packers = PackedLinears.packers(model, compiled=self.compile) if packed_linear is not False else ()
         if packed_linear and not self.packers:
             raise ValueError("packed_linear=True needs a model on CPU in float32 (MKL or oneDNN) or bfloat16 "
-                             "(oneDNN, not compiled) with those libraries available")
+                             "(oneDNN, not compiled) with those libraries available, and free memory for a "
+                             "packed copy of its linear weights")
         self.packing: bool | None = packed_linear if packed_linear is not None else (None if self.packers else False)
         self._compiled = _compiled_forward(model, self.compile_mode) if self.compile else None
         self._eager_heights: set[int] = set()  # heights whose compilation failed
@@ -251,6 +269,12 @@ class HFModelRunner:
             packs[packer] = PackedLinears(self.model, packer)
         self._packed = None if packer is None else packs[packer]
         self.packed_from = None if packer is None else packed_from
+
+    def drop_other_packs(self) -> None:
+        """Free the packed copies of packers other than the one in use (measuring made one per packer)."""
+        packs = _PACKED.get(self.model, {})
+        for packer in [packer for packer in packs if packer != self.packer]:
+            del packs[packer]
 
     @property
     def packer(self) -> str | None:
