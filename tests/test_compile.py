@@ -215,7 +215,7 @@ def costs(monkeypatch, tmp_path):
     return costs
 
 
-def test_a_curve_is_measured_by_one_process_at_a_time(costs, tmp_path):
+def test_a_curve_is_measured_by_one_process_at_a_time(llama_tiny, costs, tmp_path):
     """Two callers wanting the same curve at once (threads here, test workers or servers in practice): one
     measures, the other waits and reads what it wrote, instead of measuring under the first one's load."""
     import threading
@@ -229,7 +229,8 @@ def test_a_curve_is_measured_by_one_process_at_a_time(costs, tmp_path):
 
     path = tmp_path / "costs" / "curve.json"
     results = []
-    threads = [threading.Thread(target=lambda: results.append(costs._stored(path, measure))) for _ in range(2)]
+    runner = HFModelRunner(llama_tiny)
+    threads = [threading.Thread(target=lambda: results.append(costs._stored(path, measure, runner))) for _ in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:

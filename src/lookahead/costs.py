@@ -13,6 +13,7 @@ import os
 import statistics
 import time
 from bisect import bisect_left
+from contextlib import nullcontext
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from filelock import FileLock
 from transformers import PreTrainedModel
 
-from .hf import COMPILED_HEIGHTS, HFModelRunner
+from .hf import COMPILED_HEIGHTS, HFModelRunner, is_sharded
 from .models import cache_root
 from .runtime.batch import causal_step, pack_steps
 
@@ -126,7 +127,8 @@ def _curve_key(runner: HFModelRunner) -> str:
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else runner.device.type
     described = json.dumps([COST_FORMAT_VERSION, type(model).__name__, config, str(runner.dtype), device,
-                            torch.get_num_threads(), runner.packing, runner.packers, torch.__version__], sort_keys=True, default=str)
+                            torch.get_num_threads(), runner.packing, runner.packers, torch.__version__],
+                           sort_keys=True, default=str)
     return hashlib.blake2b(described.encode(), digest_size=16).hexdigest()
 
 
@@ -134,7 +136,7 @@ def _seconds(runner: HFModelRunner, packers: Sequence[str | None], sizes: Sequen
              batch: int = 1, packed_from: int | None = 1) -> dict[str | None, list[float]]:
     """Each linear path's step times (None: the plain one), the paths timed in turn in each round as the
     sizes are: measured one after the other, two paths differed by the machine's drift (a one-row step
-    7% faster packed, then 3% slower when timed in turn)."""
+    6% faster packed, then 19% slower when timed in turn)."""
 
     def through(packer: str | None, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         return lambda: (runner.use_packed(packer, packed_from), run())[1]
@@ -146,14 +148,15 @@ def _seconds(runner: HFModelRunner, packers: Sequence[str | None], sizes: Sequen
     return {packer: [fastest[packer, k] for k in sizes] for packer in packers}
 
 
-def _stored(path: Path, measure: Callable[[], dict]) -> dict:
+def _stored(path: Path, measure: Callable[[], dict], runner: HFModelRunner) -> dict:
     """What `measure()` returns, measured once: kept in memory and on disk (written atomically). One process
     measures a file at a time (a lock per file), the others then read it: two measuring at once would do the
-    work twice, each timing its steps under the other's load."""
+    work twice, each timing its steps under the other's load. Not the ranks of a sharded model: each of its
+    forwards is collective, so they measure together (and rank 0's curves are used)."""
     key = path.stem
     if key not in _MEASURED:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(path.with_name(f".{path.name}.lock")):
+        with nullcontext() if is_sharded(runner.model) else FileLock(path.with_name(f".{path.name}.lock")):
             if path.is_file():
                 _MEASURED[key] = json.loads(path.read_text())
             else:
@@ -176,11 +179,12 @@ def cost_curve(runner: HFModelRunner) -> CostCurve:
     The curve is then the path's that runs at each size."""
 
     def measure() -> dict:
-        paths = ([None] if runner.packing is not True else []) + list(runner.packers if runner.packing is not False else ())
+        packers = list(runner.packers) if runner.packing is not False else []
+        paths = ([None] if runner.packing is not True else []) + packers
         measured = _seconds(runner, paths)
         return {"sizes": list(CURVE_SIZES), "plain": measured.pop(None, None), **measured}
 
-    measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}.json", measure)
+    measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}.json", measure, runner)
     sizes, plain = measured["sizes"], measured["plain"]
     options = [(None, None, plain)] if plain is not None else []
     for packer in runner.packers if runner.packing is not False else ():
@@ -210,7 +214,8 @@ def batch_cost_curve(runner: HFModelRunner, batch: int) -> CostCurve:
     path = runner.packer and f"{runner.packer}{runner.packed_from}"
     measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}-{path}-b{batch}.json",
                        lambda: {"sizes": sizes, "seconds": _seconds(runner, [runner.packer], sizes, batch,
-                                                                    runner.packed_from)[runner.packer]})
+                                                                    runner.packed_from)[runner.packer]},
+                       runner)
     return _curve(runner, measured["sizes"], measured["seconds"], batch)
 
 
@@ -227,7 +232,7 @@ def _curve(runner: HFModelRunner, sizes: Sequence[int], eager: Sequence[float], 
     mode = "" if runner.compile_mode == "default" else f"-{runner.compile_mode}"
     path = runner.packer and f"{runner.packer}{runner.packed_from}"
     key = f"{_curve_key(runner)}-{path}-b{batch}-compiled{mode}"
-    step = _stored(cache_root() / "costs" / f"{key}.json", lambda: _compiled_step(runner, batch))
+    step = _stored(cache_root() / "costs" / f"{key}.json", lambda: _compiled_step(runner, batch), runner)
     if step["compiled"] is None:  # the step did not compile here: it runs, and is priced, eagerly
         return CostCurve(sizes, eager, COMPILED_HEIGHTS)
     scale, saving = step["eager"] / eager[0], max(0.0, step["eager"] - step["compiled"])

@@ -52,8 +52,8 @@ class PackedLinears:
     Xeon oneDNN was slower at every height, and MKL's packed weights cost 2% more for one row and 23-31%
     less for 4 to 16 rows (the default BLAS call repacks the whole weight on each call from 4 rows on).
     The model itself is left as it was: the packed forward is set on each Linear instance on entering
-    `active()` and removed on leaving. It costs a second copy of the linear weights, taken when first used:
-    later in-place weight changes are not seen.
+    `active()` and removed on leaving. It costs a copy of the linear weights (MKL's: twice their bytes),
+    taken when first used: later in-place weight changes are not seen.
     """
 
     def __init__(self, model: torch.nn.Module, packer: str) -> None:
@@ -66,7 +66,8 @@ class PackedLinears:
             weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
             if packer == "mkl":
                 if weight.data_ptr() not in _MKL_PACKED:
-                    _MKL_PACKED[weight.data_ptr()] = torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACKED_ROWS)
+                    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACKED_ROWS)
+                    _MKL_PACKED[weight.data_ptr()] = packed
                     self._mkl_weights.append(weight.data_ptr())
                 self._forwards.append((module, functools.partial(torch.ops.lookahead.mkl_linear, weight=module.weight,
                                                                  bias=module.bias)))

@@ -278,7 +278,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                         metrics.tokens.inc(len(output.tokens))
                     if output.stats is not None and output.stats.steps:
                         metrics.tokens_per_step.observe(output.stats.tokens_per_step)
-                    piece = reply.add(output.tokens)
+                    piece = reply.add(output.tokens, output.finished)
                     if piece:
                         yield piece
                     if reply.stopped or output.finished:
@@ -396,14 +396,20 @@ class _Reply:
     def hit_length(self, params: RequestParams) -> bool:
         return self.tokens >= params.max_new_tokens
 
-    def add(self, tokens: list[int]) -> str:
+    def add(self, tokens: list[int], finished: bool = False) -> str:
+        """The text to send after these tokens. Until the request has finished, a character cut in the middle
+        and a tail that may be the start of a stop string wait for the next tokens: text once sent cannot be
+        taken back when a stop string completes across two steps."""
         self.ids.extend(tokens)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         for stop in self.stops:
             at = text.find(stop)
             if at >= 0:
                 text, self.stopped = text[:at], True
-        if not self.stopped and text.endswith("\ufffd"):  # a character cut in the middle: wait for the rest
-            return ""
+        if not (self.stopped or finished):
+            if text.endswith("\ufffd"):
+                return ""
+            started = max((k for stop in self.stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+            text = text[:len(text) - started]
         piece, self.sent = text[len(self.sent):], text
         return piece

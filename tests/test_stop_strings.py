@@ -1,0 +1,34 @@
+"""The server's reply text: stop strings cut it even when they complete across steps (quick, no model)."""
+
+from __future__ import annotations
+
+from lookahead.serve import _Reply
+
+
+class _Pieces:
+    """A tokenizer whose token i decodes to PIECES[i]."""
+
+    PIECES = ["\n    if", " n", " <", "=", " 1", "\u00e9"]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.PIECES[i] for i in ids)
+
+
+def _sent(steps: list[list[int]], stops: list[str]) -> tuple[str, bool]:
+    reply = _Reply(_Pieces(), stops)
+    text = "".join(reply.add(tokens, finished=index == len(steps) - 1) for index, tokens in enumerate(steps))
+    return text, reply.stopped
+
+
+def test_a_stop_string_that_completes_in_a_later_step_is_not_sent():
+    assert _sent([[0, 1], [2, 3]], ["n <"]) == ("\n    if ", True)  # " n" held back, then cut
+    assert _sent([[0], [1], [2], [3]], ["n <"]) == ("\n    if ", True)
+    assert _sent([[0, 1, 2, 3]], ["n <"]) == ("\n    if ", True)
+
+
+def test_a_held_back_tail_is_sent_when_it_turns_out_not_to_be_a_stop_string_or_the_reply_ends():
+    reply = _Reply(_Pieces(), ["n >"])
+    assert reply.add([0, 1]) == "\n    if "  # the "n" may start "n >": held back
+    assert reply.add([2]) == "n <"  # it did not
+    assert _sent([[0], [1]], ["n >"]) == ("\n    if n", False)  # the request ended: nothing held back
+    assert _sent([[4], [5]], []) == (" 1\u00e9", False)
