@@ -132,6 +132,11 @@ def _curve_key(runner: HFModelRunner) -> str:
     return hashlib.blake2b(described.encode(), digest_size=16).hexdigest()
 
 
+def _linear_path(runner: HFModelRunner) -> str | None:
+    """The linear path `cost_curve` set on the runner, for the names of the curves measured on it."""
+    return runner.packer and f"{runner.packer}{runner.packed_from}"
+
+
 def _seconds(runner: HFModelRunner, packers: Sequence[str | None], sizes: Sequence[int] = CURVE_SIZES,
              batch: int = 1, packed_from: int | None = 1) -> dict[str | None, list[float]]:
     """Each linear path's step times (None: the plain one), the paths timed in turn in each round as the
@@ -179,15 +184,14 @@ def cost_curve(runner: HFModelRunner) -> CostCurve:
     The curve is then the path's that runs at each size."""
 
     def measure() -> dict:
-        packers = list(runner.packers) if runner.packing is not False else []
-        paths = ([None] if runner.packing is not True else []) + packers
+        paths = ([None] if runner.packing is not True else []) + list(runner.packers)  # () where packing is off
         measured = _seconds(runner, paths)
         return {"sizes": list(CURVE_SIZES), "plain": measured.pop(None, None), **measured}
 
     measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}.json", measure, runner)
     sizes, plain = measured["sizes"], measured["plain"]
     options = [(None, None, plain)] if plain is not None else []
-    for packer in runner.packers if runner.packing is not False else ():
+    for packer in runner.packers:
         packed = measured[packer]
         if plain is None:
             options.append((packer, 1, packed))
@@ -211,8 +215,7 @@ def batch_cost_curve(runner: HFModelRunner, batch: int) -> CostCurve:
     if batch == 1:
         return curve
     sizes = [h for h in CURVE_SIZES if batch * h <= max(128, 2 * batch)]
-    path = runner.packer and f"{runner.packer}{runner.packed_from}"
-    measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}-{path}-b{batch}.json",
+    measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}-{_linear_path(runner)}-b{batch}.json",
                        lambda: {"sizes": sizes, "seconds": _seconds(runner, [runner.packer], sizes, batch,
                                                                     runner.packed_from)[runner.packer]},
                        runner)
@@ -230,8 +233,7 @@ def _curve(runner: HFModelRunner, sizes: Sequence[int], eager: Sequence[float], 
     if not runner.compile:
         return CostCurve(sizes, eager)
     mode = "" if runner.compile_mode == "default" else f"-{runner.compile_mode}"
-    path = runner.packer and f"{runner.packer}{runner.packed_from}"
-    key = f"{_curve_key(runner)}-{path}-b{batch}-compiled{mode}"
+    key = f"{_curve_key(runner)}-{_linear_path(runner)}-b{batch}-compiled{mode}"
     step = _stored(cache_root() / "costs" / f"{key}.json", lambda: _compiled_step(runner, batch), runner)
     if step["compiled"] is None:  # the step did not compile here: it runs, and is priced, eagerly
         return CostCurve(sizes, eager, COMPILED_HEIGHTS)

@@ -83,7 +83,7 @@ class PackedLinears:
         linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
         if model.device.type != "cpu" or is_sharded(model) or not linears:
             return ()
-        weights = sum(module.weight.nbytes for module in {id(m.weight): m for m in linears}.values())
+        weights = sum({id(m.weight): m.weight.nbytes for m in linears}.values())  # tied weights once
         room = available_memory() / 2
         mkl = model.dtype == torch.float32 and torch.backends.mkl.is_available() and 2 * weights <= room
         onednn = (model.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
