@@ -161,16 +161,17 @@ def test_a_time_above_a_taller_steps_time_is_noise_and_is_lowered_to_it():
     assert CostCurve([1, 2, 4, 8], [3.0, 2.0, 5.0, 4.0]).relative == [1.0, 1.0, 2.0, 2.0]
 
 
-def test_each_size_costs_its_fastest_round_the_sizes_timed_in_turn(llama_tiny, monkeypatch):
+def test_each_size_costs_its_fastest_time_the_sizes_timed_in_turn(llama_tiny, monkeypatch):
     """A burst of another process on the cores adds time to whatever runs then: sizes are timed in turn,
-    round after round, and each keeps its fastest round (the warm-up round, here the fastest, not counted)."""
+    round after round, short steps (up to 8 rows) three times a round, and each size keeps its fastest time
+    (the warm-up pass, here the fastest, not counted)."""
     import lookahead.costs as costs
 
-    order, sizes = [], (1, 2, 4)
-    scripted = iter([0.1, 0.1, 0.1,  # warm-up round
-                     5.0, 9.0, 9.0,  # a burst on size 1
-                     2.0, 3.0, 30.0,  # a burst on size 4
-                     2.5, 2.6, 4.0])
+    order, sizes = [], (1, 2, 16)
+    scripted = iter([0.1, 0.1, 0.1,  # warm-up pass
+                     5.0, 9.0, 9.0, 4.0, 9.0, 3.0, 9.0,  # a burst on size 2
+                     2.0, 3.0, 30.0, 2.5, 2.7, 2.2, 2.9,  # a burst on size 16
+                     2.5, 2.6, 4.0, 2.1, 3.0, 2.4, 2.8])
 
     def timed(run, device):
         order.append(run.args[1].height)
@@ -178,18 +179,18 @@ def test_each_size_costs_its_fastest_round_the_sizes_timed_in_turn(llama_tiny, m
 
     monkeypatch.setattr(costs, "timed_seconds", timed)
     points = costs.forward_cost(HFModelRunner(llama_tiny), context=8, sizes=sizes, repeats=3)
-    assert order == [1, 2, 4] * 4
-    assert [(p.tokens, p.seconds) for p in points] == [(1, 2.0), (2, 2.6), (4, 4.0)]
+    assert order == [1, 2, 16] + [1, 2, 16, 1, 2, 1, 2] * 3
+    assert [(p.tokens, p.seconds) for p in points] == [(1, 2.0), (2, 2.6), (16, 4.0)]
     assert [p.relative for p in points] == [1.0, 1.3, 2.0]
 
 
 def test_the_linear_paths_are_timed_in_turn_too(llama_tiny, monkeypatch):
     """Two linear paths measured one after the other would differ by the machine's drift: within each round
-    every path times every size, and each (path, size) keeps its fastest round."""
+    every path times every size, and each (path, size) keeps its fastest time."""
     import lookahead.costs as costs
 
     runner = HFModelRunner(llama_tiny)
-    order, scripted = [], iter([1.0] * 4 + [3.0, 5.0, 4.0, 6.0] * 2 + [2.0, 4.0, 5.0, 7.0] * 3)
+    order, scripted = [], iter([1.0] * 4 + [3.0, 5.0, 4.0, 6.0] * 3 * 2 + [2.0, 4.0, 5.0, 7.0] * 3 * 3)
 
     def timed(run, device):
         run()
@@ -198,7 +199,7 @@ def test_the_linear_paths_are_timed_in_turn_too(llama_tiny, monkeypatch):
 
     monkeypatch.setattr(costs, "timed_seconds", timed)
     assert costs._seconds(runner, [None, "mkl"], sizes=(1, 2)) == {None: [2.0, 4.0], "mkl": [4.0, 6.0]}
-    assert order == [None, None, "mkl", "mkl"] * 6
+    assert order == [None, None, "mkl", "mkl"] * (1 + 3 * 5)
 
 
 @pytest.fixture
