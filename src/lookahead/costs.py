@@ -1,7 +1,8 @@
 """The forward cost curve T(k): seconds for one step of k new tokens over a cached context, on this model,
 device, dtype and thread count, and T(B, h) for B sequences of h rows each. Measured on first use (about
-15 s for the default model on 2 CPU cores in float32: the plain linear path and two packers, timed in turn)
-and cached under $LOOKAHEAD_CACHE/costs; the drafter sizes each step's token tree with it."""
+20 s for the default model on 2 CPU cores in float32: the plain linear path and two packers, timed in turn)
+and cached under $LOOKAHEAD_CACHE/costs (measured again where a later process finds the machine much
+faster than the stored times); the drafter sizes each step's token tree with it."""
 
 from __future__ import annotations
 
@@ -177,17 +178,20 @@ def _seconds(runner: HFModelRunner, packers: Sequence[str | None], sizes: Sequen
     return {packer: [fastest[packer, k] for k in sizes] for packer in packers}
 
 
-def _stored(path: Path, measure: Callable[[], dict], runner: HFModelRunner) -> dict:
-    """What `measure()` returns, measured once: kept in memory and on disk (written atomically). One process
-    measures a file at a time (a lock per file), the others then read it: two measuring at once would do the
-    work twice, each timing its steps under the other's load. Not the ranks of a sharded model: each of its
-    forwards is collective, so they measure together (and rank 0's curves are used)."""
+def _stored(path: Path, measure: Callable[[], dict], runner: HFModelRunner,
+            stale: Callable[[dict], bool] = lambda measured: False) -> dict:
+    """What `measure()` returns, measured once: kept in memory and on disk (written atomically), and measured
+    again where what a process reads from disk is `stale`. One process measures a file at a time (a lock per
+    file), the others then read it: two measuring at once would do the work twice, each timing its steps
+    under the other's load. Not the ranks of a sharded model: each of its forwards is collective, so they
+    measure together (and rank 0's curves are used)."""
     key = path.stem
     if key not in _MEASURED:
         path.parent.mkdir(parents=True, exist_ok=True)
         with nullcontext() if is_sharded(runner.model) else FileLock(path.with_name(f".{path.name}.lock")):
-            if path.is_file():
-                _MEASURED[key] = json.loads(path.read_text())
+            stored = json.loads(path.read_text()) if path.is_file() else None
+            if stored is not None and (is_sharded(runner.model) or not stale(stored)):
+                _MEASURED[key] = stored
             else:
                 _MEASURED[key] = measure()
                 partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
@@ -198,21 +202,23 @@ def _stored(path: Path, measure: Callable[[], dict], runner: HFModelRunner) -> d
 
 _MEASURED: dict[str, dict] = {}  # file stem -> measured seconds, read from disk once per process
 
+# A stored curve is measured again where a one-row step now takes under this share of its stored time: it
+# was measured while something else loaded the machine (a first run beside a compile job, say), and its
+# ratios with it (a CI run under load stored T(1) = 134 ms where a quiet one takes 33 ms, and its budget fed
+# 8 rows a step at 0.83x greedy's speed). A machine only ever slower than at the measurement keeps it.
+REMEASURE_BELOW = 0.75
 
-def cost_curve(runner: HFModelRunner) -> CostCurve:
-    """T(k) for k in CURVE_SIZES on the path the runner takes, measured once per model shape and machine
-    setting, then read from disk. Where the runner may use prepacked linears (`packing` None), the plain
-    path and each packer's are measured; a packer takes over from the step size on which it is faster than
-    the plain path at every larger size (never, or always, where one path wins throughout), and of the
-    packers the one whose resulting curve is lowest (geometric mean over the sizes) is set on the runner.
-    The curve is then the path's that runs at each size."""
 
-    def measure() -> dict:
-        paths = ([None] if runner.packing is not True else []) + list(runner.packers)  # () where packing is off
-        measured = _seconds(runner, paths)
-        return {"sizes": list(CURVE_SIZES), "plain": measured.pop(None, None), **measured}
+def _measured_under_load(runner: HFModelRunner, batch: int, stored_one_row: float) -> bool:
+    """Whether a step of one row per sequence, on the path the runner takes now, runs under REMEASURE_BELOW
+    of `stored_one_row` seconds (the fastest of 3, after a warm-up)."""
+    with runner.eager(), runner.untimed():
+        step = _steps_over_context(runner, 128, (1,), batch)[1]
+        return _fastest_rounds({1: step}, 3, runner.device)[1] < REMEASURE_BELOW * stored_one_row
 
-    measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}.json", measure, runner)
+
+def _chosen_path(runner: HFModelRunner, measured: dict) -> list[float]:
+    """Sets the linear path `cost_curve` describes (see there) on the runner; returns its step times."""
     sizes, plain = measured["sizes"], measured["plain"]
     options = [(None, None, plain)] if plain is not None else []
     for packer in runner.packers:
@@ -226,8 +232,30 @@ def cost_curve(runner: HFModelRunner) -> CostCurve:
         options.append((packer, packed_from, [p if use else q for p, q, use in zip(packed, plain, on)]))
     packer, packed_from, seconds = min(options, key=lambda option: sum(math.log(t) for t in option[2]))
     runner.use_packed(packer if packed_from is not None else None, packed_from)
+    return seconds
+
+
+def cost_curve(runner: HFModelRunner) -> CostCurve:
+    """T(k) for k in CURVE_SIZES on the path the runner takes, measured once per model shape and machine
+    setting, then read from disk (and measured again where a one-row step now runs much faster than it
+    says: `REMEASURE_BELOW`). Where the runner may use prepacked linears (`packing` None), the plain path
+    and each packer's are measured; a packer takes over from the step size on which it is faster than the
+    plain path at every larger size (never, or always, where one path wins throughout), and of the packers
+    the one whose resulting curve is lowest (geometric mean over the sizes) is set on the runner. The curve
+    is then the path's that runs at each size."""
+
+    def measure() -> dict:
+        paths = ([None] if runner.packing is not True else []) + list(runner.packers)  # () where packing is off
+        measured = _seconds(runner, paths)
+        return {"sizes": list(CURVE_SIZES), "plain": measured.pop(None, None), **measured}
+
+    def stale(measured: dict) -> bool:
+        return _measured_under_load(runner, 1, _chosen_path(runner, measured)[0])
+
+    measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}.json", measure, runner, stale)
+    seconds = _chosen_path(runner, measured)
     runner.drop_other_packs()
-    return _curve(runner, sizes, seconds, 1)
+    return _curve(runner, measured["sizes"], seconds, 1)
 
 
 def batch_cost_curve(runner: HFModelRunner, batch: int) -> CostCurve:
@@ -242,7 +270,7 @@ def batch_cost_curve(runner: HFModelRunner, batch: int) -> CostCurve:
     measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}-{_linear_path(runner)}-b{batch}.json",
                        lambda: {"sizes": sizes, "seconds": _seconds(runner, [runner.packer], sizes, batch,
                                                                     runner.packed_from)[runner.packer]},
-                       runner)
+                       runner, lambda measured: _measured_under_load(runner, batch, measured["seconds"][0]))
     return _curve(runner, measured["sizes"], measured["seconds"], batch)
 
 
