@@ -181,7 +181,9 @@ def test_the_serve_command_starts_on_the_default_model():
 
     port = free_port()
     command = shutil.which("lookahead", path=str(Path(sys.executable).parent))
-    process = subprocess.Popen([command, "serve", "--port", str(port), "--max-batch", "2"],
+    # One thread, as each test worker runs: the server reads the cost curves the workers measured instead of
+    # measuring its own on two threads beside them (103 s to answer in a fresh CI run, of a 120 s deadline).
+    process = subprocess.Popen([command, "serve", "--port", str(port), "--max-batch", "2", "--threads", "1"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
