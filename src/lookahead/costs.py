@@ -188,9 +188,10 @@ def _stored(path: Path, measure: Callable[[], dict], runner: HFModelRunner,
     key = path.stem
     if key not in _MEASURED:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with nullcontext() if is_sharded(runner.model) else FileLock(path.with_name(f".{path.name}.lock")):
+        sharded = is_sharded(runner.model)
+        with nullcontext() if sharded else FileLock(path.with_name(f".{path.name}.lock")):
             stored = json.loads(path.read_text()) if path.is_file() else None
-            if stored is not None and (is_sharded(runner.model) or not stale(stored)):
+            if stored is not None and (sharded or not stale(stored)):
                 _MEASURED[key] = stored
             else:
                 _MEASURED[key] = measure()
