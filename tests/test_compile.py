@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,6 +211,7 @@ def costs(monkeypatch, tmp_path):
 
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
     monkeypatch.setattr(costs, "_MEASURED", {})
+    monkeypatch.setattr(costs, "_ONE_ROW_NOW", {})
     monkeypatch.setattr(costs, "CURVE_SIZES", (1, 2, 4, 8))
     monkeypatch.setattr(costs, "_seconds", lambda runner, packers, sizes=(), batch=1, packed_from=1:
                         {packer: [10.0, 11.0, 13.0, 20.0] for packer in packers})
@@ -229,9 +231,44 @@ def test_a_curve_stored_while_the_machine_was_busy_is_measured_again(llama_tiny,
     assert json.loads(path.read_text())["plain"] == [10.0, 11.0, 13.0, 20.0]
 
     monkeypatch.setattr(costs, "_MEASURED", {})  # another process
+    monkeypatch.setattr(costs, "_ONE_ROW_NOW", {})
     path.write_text(json.dumps({"sizes": [1, 2, 4, 8], "plain": [13.5, 15.0, 27.0, 30.0]}))
     assert costs.cost_curve(runner).relative == [1.0, 15 / 13.5, 2.0, 30 / 13.5]
     assert json.loads(path.read_text())["plain"] == [13.5, 15.0, 27.0, 30.0]
+
+
+def test_stored_batch_curves_are_checked_against_one_probe_per_process(llama_tiny, costs, tmp_path, monkeypatch):
+    """A batch curve keeps the one-row step of one sequence timed in its rounds; a process times that step
+    once (or takes it from the curve it has just measured) and measures again each batch curve stored with
+    over 1/0.85 of it, keeping the others: one probe for every batch size, not one each."""
+    runner = HFModelRunner(llama_tiny, packed_linear=False)
+    timed = []
+    monkeypatch.setattr(costs, "timed_seconds", lambda run, device: timed.append(run) or 12.0)
+    monkeypatch.setattr(costs, "_batch_seconds", lambda runner, sizes, batch:
+                        {"sizes": [1, 2], "seconds": [20.0, 30.0], "one_row": 10.0})
+
+    def stored(batch: int, one_row: float) -> Path:
+        path = tmp_path / "costs" / f"{costs._curve_key(runner)}-None-b{batch}.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"sizes": [1, 2], "seconds": [40.0, 50.0], "one_row": one_row}))
+        return path
+
+    def seconds(path: Path) -> list[float]:
+        return json.loads(path.read_text())["seconds"]
+
+    busy, quiet = stored(2, 15.0), stored(4, 11.0)
+    costs.cost_curve(runner)  # measured here (10 ms a row): nothing to probe
+    assert costs.batch_cost_curve(runner, 2).relative == [1.0, 1.5] and seconds(busy) == [20.0, 30.0]
+    assert costs.batch_cost_curve(runner, 4).relative == [1.0, 1.25] and seconds(quiet) == [40.0, 50.0]
+    assert timed == []
+
+    monkeypatch.setattr(costs, "_MEASURED", {})  # another process, which finds a row at 12 ms
+    monkeypatch.setattr(costs, "_ONE_ROW_NOW", {})
+    busy, quiet = stored(2, 15.0), stored(4, 14.0)
+    for batch in (1, 2, 4):
+        costs.batch_cost_curve(runner, batch)
+    assert seconds(busy) == [20.0, 30.0] and seconds(quiet) == [40.0, 50.0]
+    assert len(timed) == 1 + 3  # one probe: its warm-up and 3 rounds
 
 
 def test_a_curve_is_measured_by_one_process_at_a_time(llama_tiny, costs, tmp_path):

@@ -28,7 +28,7 @@ from .models import cache_root
 from .runtime.batch import causal_step, pack_steps
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
-COST_FORMAT_VERSION = 7
+COST_FORMAT_VERSION = 8
 
 
 class CostCurve:
@@ -212,12 +212,20 @@ _MEASURED: dict[str, dict] = {}  # file stem -> measured seconds, read from disk
 REMEASURE_BELOW = 0.85
 
 
-def _measured_under_load(runner: HFModelRunner, batch: int, stored_one_row: float) -> bool:
-    """Whether a step of one row per sequence, on the path the runner takes now, runs under REMEASURE_BELOW
-    of `stored_one_row` seconds (the fastest of 3, after a warm-up)."""
-    with runner.eager(), runner.untimed():
-        step = _steps_over_context(runner, 128, (1,), batch)[1]
-        return _fastest_rounds({1: step}, 3, runner.device)[1] < REMEASURE_BELOW * stored_one_row
+def _one_row_now(runner: HFModelRunner) -> float:
+    """Seconds of a one-row step of one sequence on the path the runner takes now, as this process finds the
+    machine: the fastest of 3 after a warm-up, timed once per process and path (every stored curve of the
+    model is checked against it: one probe, not one per batch size, each of which had to fill B sequences'
+    caches first, 2 s at B = 8)."""
+    key = f"{_curve_key(runner)}-{_linear_path(runner)}"
+    if key not in _ONE_ROW_NOW:
+        with runner.eager(), runner.untimed():
+            step = _steps_over_context(runner, 128, (1,), 1)[1]
+            _ONE_ROW_NOW[key] = _fastest_rounds({1: step}, 3, runner.device)[1]
+    return _ONE_ROW_NOW[key]
+
+
+_ONE_ROW_NOW: dict[str, float] = {}  # curve key and linear path -> `_one_row_now`
 
 
 def _chosen_path(runner: HFModelRunner, measured: dict) -> list[float]:
@@ -253,10 +261,11 @@ def cost_curve(runner: HFModelRunner) -> CostCurve:
         return {"sizes": list(CURVE_SIZES), "plain": measured.pop(None, None), **measured}
 
     def stale(measured: dict) -> bool:
-        return _measured_under_load(runner, 1, _chosen_path(runner, measured)[0])
+        return _one_row_now(runner) < REMEASURE_BELOW * _chosen_path(runner, measured)[0]
 
     measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}.json", measure, runner, stale)
     seconds = _chosen_path(runner, measured)
+    _ONE_ROW_NOW.setdefault(f"{_curve_key(runner)}-{_linear_path(runner)}", seconds[0])  # where measured just now
     runner.drop_other_packs()
     return _curve(runner, measured["sizes"], seconds, 1)
 
@@ -271,10 +280,19 @@ def batch_cost_curve(runner: HFModelRunner, batch: int) -> CostCurve:
         return curve
     sizes = [h for h in CURVE_SIZES if batch * h <= max(128, 2 * batch)]
     measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}-{_linear_path(runner)}-b{batch}.json",
-                       lambda: {"sizes": sizes, "seconds": _seconds(runner, [runner.packer], sizes, batch,
-                                                                    runner.packed_from)[runner.packer]},
-                       runner, lambda measured: _measured_under_load(runner, batch, measured["seconds"][0]))
+                       lambda: _batch_seconds(runner, sizes, batch), runner,
+                       lambda measured: _one_row_now(runner) < REMEASURE_BELOW * measured["one_row"])
     return _curve(runner, measured["sizes"], measured["seconds"], batch)
+
+
+def _batch_seconds(runner: HFModelRunner, sizes: Sequence[int], batch: int) -> dict:
+    """T(batch, h) for h in `sizes` on the runner's path, and ("one_row") a one-row step of one sequence timed
+    in the same rounds: what a later process compares its `_one_row_now` with."""
+    with runner.eager(), runner.untimed():
+        runs = {(batch, h): run for h, run in _steps_over_context(runner, 128, sizes, batch).items()}
+        runs[1, 1] = _steps_over_context(runner, 128, (1,), 1)[1]
+        fastest = _fastest_rounds(runs, 5, runner.device, lambda key: _samples_by_height(key[0] * key[1]))
+    return {"sizes": list(sizes), "seconds": [fastest[batch, h] for h in sizes], "one_row": fastest[1, 1]}
 
 
 def _curve(runner: HFModelRunner, sizes: Sequence[int], eager: Sequence[float], batch: int) -> CostCurve:
