@@ -156,6 +156,18 @@ def test_misuse_is_refused_on_every_rank(case, words):
         run_workers(2, _misuse, case, threads=1)
 
 
+def _environment_variable(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_workers_get_the_callers_environment_as_it_is_at_the_call(monkeypatch):
+    """Workers fork from a server process that an earlier call started; they still get this call's
+    environment (a cache folder set in between, say), not the server's."""
+    assert run_workers(2, _environment_variable, "LOOKAHEAD_TEST_MARK", threads=1) is None
+    monkeypatch.setenv("LOOKAHEAD_TEST_MARK", "set since")
+    assert run_workers(2, _environment_variable, "LOOKAHEAD_TEST_MARK", threads=1) == "set since"
+
+
 def test_without_a_process_group_parallel_generate_says_how_to_start_one():
     with pytest.raises(RuntimeError, match="init_process_group"):
         parallel_generate(make_tiny_model("llama"), PROMPT, 8)
