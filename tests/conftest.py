@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 import typer.testing
+from filelock import FileLock
 from hypothesis import HealthCheck, settings
 from transformers import (
     Gemma3ForCausalLM,
@@ -177,15 +178,17 @@ def reference_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, eos_to
     key = json.dumps([model_fingerprint(model), torch.as_tensor(input_ids).tolist(), max_new_tokens, eos, options,
                       torch.__version__, transformers.__version__, _REFERENCE_SOURCE], sort_keys=True, default=str)
     path = REFERENCE_CACHE / f"{hashlib.blake2b(key.encode(), digest_size=20).hexdigest()}.pt"
-    use_cache = os.environ.get("LOOKAHEAD_TEST_REFERENCE_CACHE", "1") != "0"
-    if use_cache and path.exists():
-        return torch.load(path)
-    sequences = hf_generate(model, input_ids, max_new_tokens, eos_token_id=eos_token_id, **options)[0].cpu()
-    if use_cache:
-        REFERENCE_CACHE.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("LOOKAHEAD_TEST_REFERENCE_CACHE", "1") == "0":
+        return hf_generate(model, input_ids, max_new_tokens, eos_token_id=eos_token_id, **options)[0].cpu()
+    REFERENCE_CACHE.mkdir(parents=True, exist_ok=True)
+    # One worker computes a reference at a time; another that needs it waits, then reads it.
+    with FileLock(path.with_name(f".{path.name}.lock")):
+        if path.exists():
+            return torch.load(path)
+        sequences = hf_generate(model, input_ids, max_new_tokens, eos_token_id=eos_token_id, **options)[0].cpu()
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         torch.save(sequences, partial)
-        os.replace(partial, path)  # atomic: parallel workers never read half a file
+        os.replace(partial, path)  # atomic: a worker never reads half a file
     return sequences
 
 
