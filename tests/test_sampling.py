@@ -78,14 +78,16 @@ def reference_samples(model, **options) -> list[tuple[int, ...]]:
     return [tuple(row) for row in out[:, PROMPT.shape[1]:].tolist()]
 
 
-def lookahead_samples(model, **options) -> tuple[list[tuple[int, ...]], int]:
+def lookahead_samples(model, batch: int = 100, **options) -> tuple[list[tuple[int, ...]], int]:
+    """SAMPLES sequences drawn `batch` at a time (each a request of its own in one engine, as a server
+    decodes them); the tokens accepted from drafts."""
     generator = torch.Generator().manual_seed(7)
     samples, accepted = [], 0
-    for _ in range(SAMPLES):
-        out = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, config=CONFIG, eos_token_id=[], do_sample=True,
-                       generator=generator, **options)
-        samples.append(tuple(out.sequences[0, PROMPT.shape[1]:].tolist()))
-        accepted += out.stats.new_tokens - out.stats.steps
+    for _ in range(SAMPLES // batch):
+        out = generate(model, PROMPT.repeat(batch, 1), max_new_tokens=NEW_TOKENS, config=CONFIG, eos_token_id=[],
+                       do_sample=True, generator=generator, **options)
+        samples += [tuple(row) for row in out.sequences[:, PROMPT.shape[1]:].tolist()]
+        accepted += sum(stats.new_tokens - stats.steps for stats in out.stats.per_sequence)
     return samples, accepted
 
 
