@@ -213,7 +213,7 @@ def costs(monkeypatch, tmp_path):
     monkeypatch.setattr(costs, "_MEASURED", {})
     monkeypatch.setattr(costs, "_ONE_ROW_NOW", {})
     monkeypatch.setattr(costs, "CURVE_SIZES", (1, 2, 4, 8))
-    monkeypatch.setattr(costs, "_seconds", lambda runner, packers, sizes=(), batch=1, packed_from=1:
+    monkeypatch.setattr(costs, "_seconds", lambda runner, packers, sizes=():
                         {packer: [10.0, 11.0, 13.0, 20.0] for packer in packers})
     return costs
 
@@ -307,7 +307,7 @@ def test_the_cost_curve_picks_the_packer_and_the_height_it_pays_from(llama_tiny,
     where it is faster at that height and every larger one; of two, the one with the lower curve."""
     times = {None: [10.0, 11.0, 13.0, 20.0], "mkl": [10.5, 11.5, 11.0, 14.0], "onednn": [12.0, 12.0, 13.5, 15.0],
              "slow": [12.0, 10.0, 14.0, 21.0]}
-    monkeypatch.setattr(costs, "_seconds", lambda runner, packers, sizes=(), batch=1, packed_from=1:
+    monkeypatch.setattr(costs, "_seconds", lambda runner, packers, sizes=():
                         {packer: times[packer] for packer in packers})
     monkeypatch.setattr(lookahead.hf.PackedLinears, "packers", staticmethod(lambda model, compiled: packers))
     runner = HFModelRunner(llama_tiny)

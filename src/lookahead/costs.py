@@ -157,24 +157,25 @@ def _curve_key(runner: HFModelRunner) -> str:
     return hashlib.blake2b(described.encode(), digest_size=16).hexdigest()
 
 
-def _linear_path(runner: HFModelRunner) -> str | None:
-    """The linear path `cost_curve` set on the runner, for the names of the curves measured on it."""
-    return runner.packer and f"{runner.packer}{runner.packed_from}"
+def _path_key(runner: HFModelRunner) -> str:
+    """The curve key and the linear path `cost_curve` set on the runner: what names the curves measured on
+    that path (batch curves, compiled savings) and the probe taken on it."""
+    return f"{_curve_key(runner)}-{runner.packer and f'{runner.packer}{runner.packed_from}'}"
 
 
-def _seconds(runner: HFModelRunner, packers: Sequence[str | None], sizes: Sequence[int] = CURVE_SIZES,
-             batch: int = 1, packed_from: int | None = 1) -> dict[str | None, list[float]]:
-    """Each linear path's step times (None: the plain one), the paths timed in turn in each round as the
-    sizes are: measured one after the other, two paths differed by the machine's drift (a one-row step
-    6% faster packed, then 19% slower when timed in turn)."""
+def _seconds(runner: HFModelRunner, packers: Sequence[str | None], sizes: Sequence[int] = CURVE_SIZES
+             ) -> dict[str | None, list[float]]:
+    """Each linear path's step times (None: the plain one; a packer from one row), the paths timed in turn in
+    each round as the sizes are: measured one after the other, two paths differed by the machine's drift (a
+    one-row step 6% faster packed, then 19% slower when timed in turn)."""
 
     def through(packer: str | None, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        return lambda: (runner.use_packed(packer, packed_from), run())[1]
+        return lambda: (runner.use_packed(packer, 1), run())[1]
 
     with runner.eager(), runner.untimed():  # compiling every size up front would take minutes on a CPU
-        steps = _steps_over_context(runner, 128, sizes, batch)
+        steps = _steps_over_context(runner, 128, sizes, 1)
         fastest = _fastest_rounds({(packer, k): through(packer, run) for packer in packers for k, run in steps.items()},
-                                  5, runner.device, lambda key: _samples_by_height(batch * key[1]))
+                                  5, runner.device, lambda key: _samples_by_height(key[1]))
     return {packer: [fastest[packer, k] for k in sizes] for packer in packers}
 
 
@@ -217,7 +218,7 @@ def _one_row_now(runner: HFModelRunner) -> float:
     machine: the fastest of 3 after a warm-up, timed once per process and path (every stored curve of the
     model is checked against it: one probe, not one per batch size, each of which had to fill B sequences'
     caches first, 2 s at B = 8)."""
-    key = f"{_curve_key(runner)}-{_linear_path(runner)}"
+    key = _path_key(runner)
     if key not in _ONE_ROW_NOW:
         with runner.eager(), runner.untimed():
             step = _steps_over_context(runner, 128, (1,), 1)[1]
@@ -265,7 +266,7 @@ def cost_curve(runner: HFModelRunner) -> CostCurve:
 
     measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}.json", measure, runner, stale)
     seconds = _chosen_path(runner, measured)
-    _ONE_ROW_NOW.setdefault(f"{_curve_key(runner)}-{_linear_path(runner)}", seconds[0])  # where measured just now
+    _ONE_ROW_NOW.setdefault(_path_key(runner), seconds[0])  # where measured just now
     runner.drop_other_packs()
     return _curve(runner, measured["sizes"], seconds, 1)
 
@@ -279,7 +280,7 @@ def batch_cost_curve(runner: HFModelRunner, batch: int) -> CostCurve:
     if batch == 1:
         return curve
     sizes = [h for h in CURVE_SIZES if batch * h <= max(128, 2 * batch)]
-    measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}-{_linear_path(runner)}-b{batch}.json",
+    measured = _stored(cache_root() / "costs" / f"{_path_key(runner)}-b{batch}.json",
                        lambda: _batch_seconds(runner, sizes, batch), runner,
                        lambda measured: _one_row_now(runner) < REMEASURE_BELOW * measured["one_row"])
     return _curve(runner, measured["sizes"], measured["seconds"], batch)
@@ -306,7 +307,7 @@ def _curve(runner: HFModelRunner, sizes: Sequence[int], eager: Sequence[float], 
     if not runner.compile:
         return CostCurve(sizes, eager)
     mode = "" if runner.compile_mode == "default" else f"-{runner.compile_mode}"
-    key = f"{_curve_key(runner)}-{_linear_path(runner)}-b{batch}-compiled{mode}"
+    key = f"{_path_key(runner)}-b{batch}-compiled{mode}"
     step = _stored(cache_root() / "costs" / f"{key}.json", lambda: _compiled_step(runner, batch), runner)
     if step["compiled"] is None:  # the step did not compile here: it runs, and is priced, eagerly
         return CostCurve(sizes, eager, COMPILED_HEIGHTS)
