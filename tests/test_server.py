@@ -1,15 +1,18 @@
 """`lookahead serve`, driven through the official `openai` client on loopback, on the real default model:
 greedy replies equal `generate`, streams and plain replies agree, concurrent streams each equal their
-request alone, a client that goes away frees its slot, bad requests get OpenAI-style 4xx errors."""
+request alone, a client that goes away frees its slot, bad requests get OpenAI-style 4xx errors, an engine
+failure an OpenAI-style 500."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import time
-
 import json
+import socket
+import time
 import urllib.error
 import urllib.request
+from urllib.parse import urlsplit
+
 import openai
 import pytest
 from conftest import reference_greedy
@@ -32,9 +35,10 @@ def server(default_model):
         yield url, app
 
 
-def raw(url: str, body: dict | None = None, key: str = KEYS[1]) -> tuple[int, dict]:
-    """An HTTP request without the openai client (which would refuse some malformed bodies itself)."""
-    data = None if body is None else json.dumps(body).encode()
+def raw(url: str, body: dict | bytes | None = None, key: str = KEYS[1]) -> tuple[int, dict]:
+    """An HTTP request without the openai client (which would refuse some malformed bodies itself); bytes are
+    sent as they are."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Authorization": f"Bearer {key}",
                                                               "Content-Type": "application/json"})
     try:
@@ -115,34 +119,214 @@ def test_a_client_that_leaves_frees_its_slot(server):
     assert engine.running() == 0
 
 
+HI = [{"role": "user", "content": "hi"}]
+LONG = "word " * 1100  # over the server's max_length of 1024 tokens
+
+
+def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, default_model, monkeypatch):
+    """Without streaming, nothing is written until the reply is done: the server watches the connection."""
+    url, app = server
+    model, _ = default_model
+    engine = app.state.engine_loop.engine
+    monkeypatch.setattr(model.generation_config, "eos_token_id", None)  # it would decode all 900 tokens
+    before = engine.stats.new_tokens
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900}).encode()
+    address = urlsplit(url)
+    with socket.create_connection((address.hostname, address.port)) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
+                           % (KEYS[0].encode(), len(body), body))
+        deadline = time.time() + 20
+        while engine.running() == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.running() == 1
+    deadline = time.time() + 20
+    while engine.running() and time.time() < deadline:
+        time.sleep(0.1)
+    assert engine.running() == 0
+    assert engine.stats.new_tokens - before < 900  # aborted, not decoded to the end
+
+
 @pytest.mark.parametrize(
-    "body, status, words",
+    "path, body, status, words, param",
     [
-        ({"model": MODEL}, 400, "messages"),
-        ({"model": MODEL, "messages": "hi"}, 400, "messages"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n must be 1"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
-        ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "gpt-9"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 1100}]}, 400, "max_length of 1024"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "lookahead": {"window": -1}}, 400,
-         "window"),
+        ("chat", {"model": MODEL}, 400, "messages", "messages"),
+        ("chat", {"model": MODEL, "messages": "hi"}, 400, "messages", "messages"),
+        ("chat", {"model": MODEL, "messages": HI, "n": 2}, 400, "n must be 1", "n"),
+        ("chat", {"model": MODEL, "messages": HI, "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+        ("chat", {"model": "gpt-9", "messages": HI}, 404, "gpt-9", "model"),
+        ("chat", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400, "max_length of 1024",
+         "messages"),
+        ("completions", {"model": MODEL, "prompt": LONG}, 400, "max_length of 1024", "prompt"),
+        ("chat", {"model": MODEL, "messages": HI, "max_tokens": 1020}, 400, "max_tokens can be at most",
+         "max_tokens"),
+        ("chat", {"model": MODEL, "messages": HI, "max_completion_tokens": 1020}, 400,
+         "max_completion_tokens can be at most", "max_completion_tokens"),
+        ("chat", {"model": MODEL, "messages": HI, "lookahead": {"window": -1}}, 400, "window", "lookahead"),
+        ("chat", {"model": MODEL, "messages": HI, "seed": 2**64, "temperature": 1}, 400, "less than or equal",
+         "seed"),
+        ("chat", {"model": MODEL, "messages": HI, "stream_options": {"include_usage": True}}, 400,
+         "only allowed when stream is true", "stream_options"),
+        ("chat", {"model": MODEL, "messages": [{"role": "user", "content": None}]}, 400, "a list of text parts",
+         "messages[0].content"),
+        ("chat", {"model": MODEL, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+         "'image_url'", "messages[0].content[1]"),
+        ("chat", {"model": MODEL, "messages": HI, "logprobs": True, "top_logprobs": 2}, 400, "not supported",
+         "logprobs"),
+        ("chat", {"model": MODEL, "messages": HI, "top_logprobs": 2}, 400, "not supported", "top_logprobs"),
+        ("chat", {"model": MODEL, "messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+         "not supported", "tools"),
+        ("chat", {"model": MODEL, "messages": HI, "tool_choice": "required"}, 400, "not supported", "tool_choice"),
+        ("chat", {"model": MODEL, "messages": HI, "response_format": {"type": "json_object"}}, 400, "not supported",
+         "response_format"),
+        ("chat", {"model": MODEL, "messages": HI, "presence_penalty": 0.5}, 400, "not supported", "presence_penalty"),
+        ("completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "not supported", "echo"),
+        ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 0}, 400, "not supported", "logprobs"),
+        ("completions", {"model": MODEL, "prompt": "hi", "suffix": "bye"}, 400, "not supported", "suffix"),
+        ("completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "not supported", "best_of"),
     ],
-    ids=["no-messages", "messages-not-a-list", "n=2", "negative-max-tokens", "unknown-model", "oversized-prompt",
-         "bad-lookahead"],
+    ids=["no-messages", "messages-not-a-list", "n=2", "negative-max-tokens", "unknown-model", "oversized-messages",
+         "oversized-prompt", "max-tokens-past-max-length", "max-completion-tokens-past-max-length", "bad-lookahead",
+         "seed-past-64-bits", "stream-options-without-stream", "user-content-null", "image-part", "logprobs",
+         "top-logprobs", "tools", "tool-choice", "json-response-format", "presence-penalty", "echo",
+         "completion-logprobs", "suffix", "best-of"],
 )
-def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, words):
+def test_bad_requests_get_openai_errors_naming_the_field_and_the_server_keeps_serving(server, path, body, status,
+                                                                                     words, param):
     url, _ = server
-    code, reply = raw(f"{url}/v1/chat/completions", body)
+    code, reply = raw(f"{url}/v1/{path.replace('chat', 'chat/completions')}", body)
     assert code == status
     assert words in reply["error"]["message"] and reply["error"]["type"]
+    assert reply["error"]["param"] == param
     assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
 
 
-def test_a_wrong_api_key_is_refused(server):
+def test_malformed_json_is_a_400_about_the_body(server):
+    url, _ = server
+    code, reply = raw(f"{url}/v1/chat/completions", b'{"model": "smollm2", "messages": [')
+    assert code == 400
+    assert "not valid JSON" in reply["error"]["message"] and reply["error"]["param"] is None
+
+
+def test_null_means_the_default(server):
+    """OpenAI's client sends null for options left unset (`temperature=None`)."""
+    url, _ = server
+    nulls = {name: None for name in ("temperature", "top_p", "n", "stream", "stream_options", "seed", "stop",
+                                     "max_completion_tokens", "lookahead", "logprobs", "tools", "response_format")}
+    code, reply = raw(f"{url}/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 2, **nulls})
+    assert code == 200 and reply["usage"]["completion_tokens"] <= 2
+    reply = client(url).completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=None, top_p=None,
+                                           seed=None, stop=None)
+    assert reply.usage.completion_tokens <= 2
+
+
+def test_fields_that_ask_for_nothing_more_are_accepted(server):
+    url, _ = server
+    harmless = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
+                "response_format": {"type": "text"}, "presence_penalty": 0, "frequency_penalty": 0.0,
+                "logit_bias": {}, "user": "someone", "metadata": {"a": "b"}}
+    code, reply = raw(f"{url}/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 1, **harmless})
+    assert code == 200 and reply["usage"]["completion_tokens"] == 1
+    code, reply = raw(f"{url}/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "echo": False,
+                                                "best_of": 1, "suffix": ""})
+    assert code == 200 and reply["usage"]["completion_tokens"] == 1
+
+
+def test_text_parts_are_the_text_and_an_assistant_may_have_null_content(server):
+    url, _ = server
+    question = "Name three colours of the rainbow."
+
+    def ask(messages: list[dict]) -> str:
+        return client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                                   temperature=0).choices[0].message.content
+
+    plain = ask([{"role": "user", "content": question}])
+    assert ask([{"role": "user", "content": [{"type": "text", "text": question}]}]) == plain
+    # After tool calls an assistant's content is null: an empty turn.
+    after = lambda content: [HI[0], {"role": "assistant", "content": content},  # noqa: E731
+                             {"role": "user", "content": question}]
+    assert ask(after(None)) == ask(after(""))
+
+
+def test_without_max_tokens_a_prompt_that_fits_gets_what_is_left_of_the_context(server, default_model):
+    """The server's default of 256 new tokens would not fit beside this prompt: the reply gets the 3 left."""
+    url, _ = server
+    _, tokenizer = default_model
+    words = 1021
+    while len(tokenizer("Hello" + " word" * words)["input_ids"]) > 1021:
+        words -= 1
+    prompt = "Hello" + " word" * words
+    assert len(tokenizer(prompt)["input_ids"]) == 1021
+    reply = client(url).completions.create(model=MODEL, prompt=prompt, temperature=0)
+    assert reply.usage.prompt_tokens == 1021 and 1 <= reply.usage.completion_tokens <= 3
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(server, default_model, monkeypatch):
+    url, _ = server
+    _, tokenizer = default_model
+    monkeypatch.setattr(tokenizer, "chat_template", (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{% endif %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}assistant:"))
+    with pytest.raises(openai.BadRequestError, match="roles must alternate") as refused:
+        client(url).chat.completions.create(model=MODEL, messages=HI + HI, max_tokens=2)
+    assert refused.value.body["param"] == "messages"
+
+
+def test_finish_reason_is_stop_when_the_last_token_allowed_is_eos(server, default_model, monkeypatch):
+    """The request ends on EOS exactly at max_tokens: "stop"; one token fewer cuts it: "length"."""
+    url, _ = server
+    model, tokenizer = default_model
+    prompt = "def fibonacci(n):"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    generated = reference_greedy(model, ids, 20)[0, ids.shape[1]:].tolist()
+    at = next(i for i in range(2, len(generated)) if generated[i] not in generated[:i])
+    monkeypatch.setattr(model.generation_config, "eos_token_id", generated[at])  # its first greedy occurrence
+
+    def finish(max_tokens: int) -> tuple[str, int]:
+        reply = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        return reply.choices[0].finish_reason, reply.usage.completion_tokens
+
+    assert finish(at + 1) == ("stop", at + 1)
+    assert finish(at) == ("length", at)
+
+
+def test_an_engine_failure_is_a_server_error_and_the_server_keeps_serving(server, monkeypatch):
+    url, app = server
+    engine = app.state.engine_loop.engine
+
+    def out_of_memory():
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(engine, "step", out_of_memory)
+    with pytest.raises(openai.InternalServerError, match="out of memory") as failed:
+        client(url).chat.completions.create(model=MODEL, messages=HI, max_tokens=4)
+    assert failed.value.body["type"] == "server_error"
+    chunks = []
+    with pytest.raises(openai.APIError, match="out of memory"):  # an error event, never a normal finish
+        for chunk in client(url).chat.completions.create(model=MODEL, messages=HI, max_tokens=4, stream=True):
+            chunks.append(chunk)
+    assert all(c.choices[0].finish_reason is None for c in chunks)
+    monkeypatch.undo()
+    assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
+    reply = client(url).chat.completions.create(model=MODEL, messages=HI, max_tokens=2, temperature=0)
+    assert reply.usage.completion_tokens == 2
+
+
+def test_a_wrong_api_key_is_refused_before_the_body_is_read(server):
     url, _ = server
     with pytest.raises(openai.AuthenticationError):
         client(url, key="not-a-key").models.list()
+    assert raw(f"{url}/v1/chat/completions", {"model": MODEL}, key="not-a-key")[0] == 401  # no messages
     assert [m.id for m in client(url).models.list().data] == [MODEL]
+
+
+def test_a_model_is_retrieved_by_its_id(server):
+    url, _ = server
+    assert client(url).models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="gpt-9"):
+        client(url).models.retrieve("gpt-9")
 
 
 def test_seeded_sampling_repeats_and_differs_by_seed(server):

@@ -2,7 +2,8 @@
 
 One background thread steps the engine; each HTTP request adds an engine request and reads the tokens
 the engine commits for it from an asyncio queue. Streaming replies are server-sent events ending with
-`data: [DONE]`; a client that goes away aborts its request, which frees its slot at the next step.
+`data: [DONE]`, or with an error event when the engine fails; a client that goes away, streaming or not,
+aborts its request, which frees its slot at the next step.
 """
 
 from __future__ import annotations
@@ -14,45 +15,73 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import Any, ClassVar, TypeVar
 
+import jinja2
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import AUTO_CONFIG, PLAIN_CONFIG, LookaheadConfig
 from .core.suffix import Corpus
-from .engine import Engine, RequestParams, StepOutput
+from .engine import Engine, RequestParams, StepOutput, eos_ids
 from .prompts import encode_messages, has_chat_template
 
 # The page at `/`: a chat box streaming from /v1/chat/completions, with tokens/s and tokens/step live.
 CHAT_PAGE = (resources.files(__package__) / "web" / "chat.html").read_text(encoding="utf-8")
+# Replies are this long at most when the client sets no max_tokens (less when the context has less room left).
+DEFAULT_MAX_TOKENS = 256
+# How often a non-streaming request checks that its client is still there.
+DISCONNECT_POLL_SECONDS = 0.25
+INT64 = (-(2**63), 2**63 - 1)  # a seed's range
+T = TypeVar("T")
 
 
-class Message(BaseModel):
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        """OpenAI's error schema."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+class _Body(BaseModel):
+    """An object of a request body. An explicit null means the field's default, as in OpenAI's API (its
+    client sends null for options left unset)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return {name: value for name, value in data.items() if value is not None} if isinstance(data, dict) else data
+
+
+class Message(_Body):
     role: str
-    content: str
+    content: Any = None  # checked by `_message_text`: a string or text parts, or null (an assistant's tool calls)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Common(_Body):
+    # Unknown fields are kept: those of OpenAI's API that would change the reply are refused (`refuse_unsupported`).
+    model_config = ConfigDict(extra="allow")
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1], strict=True)
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
@@ -60,14 +89,119 @@ class _Common(BaseModel):
     # Our extension: "auto" (the default), "off", or {"window": W, "ngram": N, "guesses": G}.
     lookahead: str | dict[str, int] = "auto"
 
+    # OpenAI's fields that this server does not implement, each with the values that ask for nothing more
+    # than what it does (the first one is the one to suggest).
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},)}
+
+    def refuse_unsupported(self) -> None:
+        """400 for the first field set to a value that asks for more than this server does."""
+        for name, harmless in self.UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and value not in harmless:
+                allowed = f" or set it to {json.dumps(harmless[0])}" if harmless else ""
+                raise APIError(400, f"{name} is not supported by this server: leave it out{allowed}", name)
+
+    def token_limit(self) -> tuple[str, int | None]:
+        """The client's cap on new tokens (None: none given) and the field it came in."""
+        return "max_tokens", self.max_tokens
+
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_Common.UNSUPPORTED, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],),
+        "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+        "response_format": ({"type": "text"},)}
+    PROMPT_FIELD: ClassVar[str] = "messages"
+
+    def token_limit(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return super().token_limit()
+
+    def prompt_ids(self, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+        """The conversation through the chat template (or its texts joined by lines without one)."""
+        turns = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(self.messages)]
+        if not has_chat_template(tokenizer):
+            return tokenizer("\n".join(turn["content"] for turn in turns), return_tensors="pt")["input_ids"][0]
+        try:
+            return encode_messages(tokenizer, turns)[0]
+        except jinja2.TemplateError as error:  # a template's raise_exception, e.g. "roles must alternate"
+            raise APIError(400, f"the model's chat template refuses these messages: {error}", "messages") from error
 
 
 class CompletionRequest(_Common):
     prompt: str
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_Common.UNSUPPORTED, "echo": (False,), "logprobs": (), "suffix": ("",), "best_of": (1,)}
+    PROMPT_FIELD: ClassVar[str] = "prompt"
+
+    def prompt_ids(self, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+        return tokenizer(self.prompt, return_tensors="pt")["input_ids"][0]
+
+
+RequestBody = ChatRequest | CompletionRequest
+
+
+def _message_text(message: Message, index: int) -> str:
+    """A message's content as one string: its text parts joined by lines; an assistant's null content (a
+    turn of tool calls) is empty."""
+    where = f"messages[{index}].content"
+    content = message.content
+    if isinstance(content, str):
+        return content
+    if content is None and message.role == "assistant":
+        return ""
+    if not isinstance(content, list):
+        raise APIError(400, f"{where} must be a string or a list of text parts (null only in an assistant's "
+                            f"message), got {json.dumps(content)}", where)
+    texts = []
+    for number, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"{where}[{number}] is a part of type {kind!r}; this server takes only text parts "
+                                '({"type": "text", "text": "..."})', f"{where}[{number}]")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _field_path(location: tuple[int | str, ...]) -> str:
+    """A field as OpenAI writes it: messages[0].content."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in location).lstrip(".")
+
+
+async def _parse(request: Request, schema: type[RequestBody]) -> RequestBody:
+    """The request's JSON body as `schema`; 400 naming the first field at fault."""
+    try:
+        data = json.loads(await request.body())
+    except ValueError as error:  # bad JSON or bad UTF-8
+        raise APIError(400, f"the request body is not valid JSON: {error}") from error
+    try:
+        return schema.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = _field_path(first["loc"])
+        raise APIError(400, f"{where or 'the request body'}: {first['msg']}", where or None) from error
+
+
+async def _joined(pieces: AsyncIterator[str]) -> str:
+    return "".join([piece async for piece in pieces])
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """`work`'s result, or None once the client has gone; `work` is then cancelled (which aborts its engine
+    request: a non-streaming reply that nobody will read must not keep its slot until max_tokens)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS))[0]:
+            if await request.is_disconnected():
+                return None
+        return task.result()
+    finally:
+        task.cancel()
 
 
 class Metrics:
@@ -95,18 +229,12 @@ class Metrics:
             lambda: loop.engine.running())
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
 @dataclass
 class _Stream:
-    """What one HTTP request reads: the engine's outputs for its request, in order."""
+    """What one HTTP request reads: the engine's outputs for its request, in order, or the error that ended it."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[StepOutput | APIError] = field(default_factory=asyncio.Queue)
 
 
 class EngineLoop:
@@ -152,21 +280,28 @@ class EngineLoop:
                 busy = self.engine.has_unfinished()
                 try:
                     outputs = self.engine.step() if busy else []
-                except Exception:  # noqa: BLE001 - a failed step ends its requests instead of hanging them
+                except Exception as error:  # noqa: BLE001 - a failed step fails its requests; the server goes on
                     traceback.print_exc()
-                    outputs = [StepOutput(request, [], True) for request in self._streams]
-                    for request in outputs:
-                        self.engine.abort(request.request_id)
-                deliveries = [(self._streams.get(o.request_id), o) for o in outputs]
-                for output in outputs:
-                    if output.finished:
-                        self._streams.pop(output.request_id, None)
-            for stream, output in deliveries:
+                    deliveries = [(stream, _engine_failure(error)) for stream in self._streams.values()]
+                    for request in self._streams:
+                        self.engine.abort(request)
+                    self._streams.clear()
+                else:
+                    deliveries = [(self._streams.get(o.request_id), o) for o in outputs]
+                    for output in outputs:
+                        if output.finished:
+                            self._streams.pop(output.request_id, None)
+            for stream, delivery in deliveries:
                 if stream is not None:
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delivery)
             if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+
+
+def _engine_failure(error: Exception) -> APIError:
+    return APIError(500, f"the engine failed while decoding this request ({type(error).__name__}: {error}); it was "
+                         "dropped, retry it", kind="server_error")
 
 
 def _lookahead_config(value: str | dict[str, int]) -> LookaheadConfig:
@@ -183,10 +318,6 @@ def _lookahead_config(value: str | dict[str, int]) -> LookaheadConfig:
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), "lookahead") from error
     raise APIError(400, f"lookahead must be 'auto', 'off' or {{window, ngram, guesses}}, got {value!r}", "lookahead")
-
-
-def _error(status: int, message: str, param: str | None, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
 
 
 def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_name: str = "lookahead",
@@ -213,13 +344,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return _error(error.status, error.message, error.param, error.kind)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"] if part != "body")
-        return _error(400, f"{where}: {first['msg']}" if where else first["msg"], where or None, "invalid_request_error")
+        return JSONResponse(error.body(), status_code=error.status)
 
     def authorise(request: Request) -> str | None:
         if not api_keys:
@@ -230,26 +355,54 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                            kind="authentication_error")
         return given
 
-    def params_of(body: _Common, key: str | None, max_tokens: int | None) -> RequestParams:
-        if body.model != model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model",
+    def served(model_id: str) -> None:
+        if model_id != model_name:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}", "model",
                            "not_found_error")
+
+    def refuse(body: RequestBody) -> None:
+        """400 (404 for another model) for what this server cannot answer as asked."""
+        served(body.model)
         if body.n != 1:
             raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", "n")
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        body.refuse_unsupported()
+
+    def new_tokens(body: RequestBody, prompt: torch.Tensor) -> int:
+        """The most tokens to generate: the client's max_tokens if prompt + it fits the engine's max_length;
+        without one, what is left of max_length (at most DEFAULT_MAX_TOKENS), so that any prompt that fits gets
+        a reply. 400 naming the field at fault otherwise."""
+        where, size = body.PROMPT_FIELD, prompt.numel()
+        if size == 0:
+            raise APIError(400, f"{where} must not be empty", where)
+        room = engine.max_length - size
+        if room < 1:
+            raise APIError(400, f"{where} is {size} tokens long: with a token of reply it exceeds the server's "
+                                f"max_length of {engine.max_length} positions", where)
+        limit, asked = body.token_limit()
+        if asked is None:
+            return min(DEFAULT_MAX_TOKENS, room)
+        if asked > room:
+            raise APIError(400, f"the prompt ({size} tokens) + {limit} ({asked}) exceeds the server's max_length of "
+                                f"{engine.max_length} positions; {limit} can be at most {room} for this prompt", limit)
+        return asked
+
+    def params_of(body: RequestBody, key: str | None, prompt: torch.Tensor) -> RequestParams:
         corpus = corpora.setdefault(key, Corpus(max_megabytes=corpus_megabytes))
-        return RequestParams(max_new_tokens=max_tokens or 256, config=_lookahead_config(body.lookahead),
+        return RequestParams(max_new_tokens=new_tokens(body, prompt), config=_lookahead_config(body.lookahead),
                              do_sample=body.temperature > 0, temperature=body.temperature or None,
                              top_p=body.top_p, top_k=0, seed=body.seed if body.temperature > 0 else None,
                              corpus=corpus)
 
-    async def run(request: Request, body: _Common, prompt: torch.Tensor, params: RequestParams, chat: bool):
+    async def run(request: Request, body: RequestBody, prompt: torch.Tensor, params: RequestParams, chat: bool):
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         started = time.time()
         arrived = time.perf_counter()
         rid, stream = runner.add(prompt, params)
         metrics.requests.labels("chat" if chat else "completions").inc()
         metrics.prompt_tokens.inc(prompt.numel())
-        reply = _Reply(tokenizer, stops)
+        reply = _Reply(tokenizer, stops, eos_ids(model, params.eos_token_id))
         steps = 0  # decoding steps that gave this request tokens
         name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
@@ -257,12 +410,15 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                          "total_tokens": prompt.numel() + reply.tokens}
 
         async def outputs() -> AsyncIterator[str]:
-            """The reply's text pieces; ends when the request finishes or a stop string is met."""
+            """The reply's text pieces; ends when the request finishes or a stop string is met. Raises the
+            APIError of an engine failure."""
             nonlocal steps
             last = None
             try:
                 while True:
-                    output: StepOutput = await stream.queue.get()
+                    output = await stream.queue.get()
+                    if isinstance(output, APIError):
+                        raise output
                     now = time.perf_counter()
                     if output.tokens:
                         # Tokens of one step arrive together: they share its interval (the first step's
@@ -282,7 +438,6 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                     if piece:
                         yield piece
                     if reply.stopped or output.finished:
-                        reply.finish_reason = "stop" if reply.stopped or not reply.hit_length(params) else "length"
                         return
             finally:  # a stop string, or a client gone: the engine drops it (a finished request is gone already)
                 runner.abort(rid)
@@ -299,12 +454,17 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                     first = chunk(None, None)
                     first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                     yield f"data: {json.dumps(first)}\n\n"
-                async for piece in outputs():
-                    if await request.is_disconnected():
-                        return
-                    event = chunk(piece, None)
-                    event["lookahead"] = {"tokens": reply.tokens, "steps": steps}  # our extension; clients ignore it
-                    yield f"data: {json.dumps(event)}\n\n"
+                try:
+                    async for piece in outputs():
+                        if await request.is_disconnected():
+                            return
+                        event = chunk(piece, None)
+                        # Our extension; clients ignore it.
+                        event["lookahead"] = {"tokens": reply.tokens, "steps": steps}
+                        yield f"data: {json.dumps(event)}\n\n"
+                except APIError as error:  # the status is sent already: an error event ends the stream, no finish
+                    yield f"data: {json.dumps(error.body())}\n\n"
+                    return
                 yield f"data: {json.dumps(chunk(None, reply.finish_reason))}\n\n"
                 if body.stream_options is not None and body.stream_options.include_usage:
                     last = chunk(None, None)
@@ -313,40 +473,45 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        text = "".join([piece async for piece in outputs()])
+        text = await _unless_disconnected(request, _joined(outputs()))
+        if text is None:
+            return Response(status_code=499)  # the client has gone: nobody reads this
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reply.finish_reason}
                   if chat else {"index": 0, "text": text, "finish_reason": reply.finish_reason})
         return {"id": name, "object": kind, "created": int(started), "model": model_name, "choices": [choice],
                 "usage": usage()}
 
+    async def answer(request: Request, schema: type[RequestBody]):
+        key = authorise(request)  # before the body is read: without a key, a malformed body gets 401 too
+        body = await _parse(request, schema)
+        refuse(body)
+        prompt = body.prompt_ids(tokenizer)
+        return await run(request, body, prompt, params_of(body, key, prompt), chat=schema is ChatRequest)
+
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatRequest):
-        key = authorise(request)
-        params = params_of(body, key, body.max_completion_tokens or body.max_tokens)
-        messages = [m.model_dump() for m in body.messages]
-        if has_chat_template(tokenizer):
-            prompt = encode_messages(tokenizer, messages)[0]
-        else:
-            prompt = tokenizer("\n".join(m["content"] for m in messages), return_tensors="pt")["input_ids"][0]
-        return await run(request, body, prompt, params, chat=True)
+    async def chat_completions(request: Request):
+        return await answer(request, ChatRequest)
 
     @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest):
-        key = authorise(request)
-        params = params_of(body, key, body.max_tokens)
-        if not body.prompt:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        prompt = tokenizer(body.prompt, return_tensors="pt")["input_ids"][0]
-        return await run(request, body, prompt, params, chat=False)
+    async def completions(request: Request):
+        return await answer(request, CompletionRequest)
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
         return CHAT_PAGE
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "lookahead"}
+
     @app.get("/v1/models")
     async def models(request: Request):
         authorise(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "lookahead"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(request: Request, model_id: str):
+        authorise(request)
+        served(model_id)
+        return card
 
     @app.get("/metrics")
     async def prometheus():
@@ -382,19 +547,21 @@ class _Reply:
     """A reply's text as tokens arrive: decoded whole each time, released up to the last complete
     character, cut at the first stop string."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str]) -> None:
-        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str], stop_ids: Iterable[int] = ()) -> None:
+        self.tokenizer, self.stops, self.stop_ids = tokenizer, [s for s in stops if s], set(stop_ids)
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
-        self.finish_reason: str | None = None
 
     @property
     def tokens(self) -> int:
         return len(self.ids)
 
-    def hit_length(self, params: RequestParams) -> bool:
-        return self.tokens >= params.max_new_tokens
+    @property
+    def finish_reason(self) -> str:
+        """Once the reply is over: "stop" if a stop string or a stop token (EOS) ended it, "length" if the token
+        limit cut it (the engine ends a request no other way)."""
+        return "stop" if self.stopped or (bool(self.ids) and self.ids[-1] in self.stop_ids) else "length"
 
     def add(self, tokens: list[int], finished: bool = False) -> str:
         """The text to send after these tokens. Until the request has finished, a character cut in the middle
