@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import run_cli
+from test_exact_tiny import ForwardRecorder
 from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
-from lookahead import LookaheadConfig, UnsupportedModelError, generate
+from lookahead import Corpus, LookaheadConfig, UnsupportedModelError, generate
+from lookahead.models import ModelLoadError, load_model
 
 
 @pytest.mark.parametrize(
@@ -130,3 +133,80 @@ def test_cli_reports_requests_past_the_context_in_one_line(prompt, args, message
     result = run_cli("generate", prompt, *args)
     assert result.returncode == 2
     assert message in result.stderr and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def _corpus_beyond_the_vocabulary() -> Corpus:
+    corpus = Corpus()
+    corpus.add([5, 6, 700])
+    return corpus
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"do_sample": True, "temperature": -1.0}, ValueError, "temperature must be a number >= 0"),
+        ({"do_sample": True, "top_p": 2.0}, ValueError, r"top_p must be a number in \(0, 1\]"),
+        ({"eos_token_id": 2.0}, ValueError, "eos_token_id must be a token id or a list of token ids"),
+        ({"eos_token_id": "</s>"}, ValueError, "eos_token_id must be a token id or a list of token ids"),
+        ({"eos_token_id": [2, -1]}, ValueError, "eos_token_id must be a token id or a list of token ids"),
+        ({"pad_token_id": -1}, ValueError, r"pad_token_id must be a token id \(an integer >= 0\) or None, got -1"),
+        ({"config": LookaheadConfig(window=100)}, ValueError, "the window of 100 x 3 rows is too large"),
+        ({"corpus": [1, 2]}, TypeError, "corpus must be a lookahead Corpus"),
+        ({"corpus": _corpus_beyond_the_vocabulary()}, ValueError,
+         r"the corpus holds token id 700, outside the model's vocabulary \[0, 128\)"),
+        ({"input_ids": torch.zeros(0, 5, dtype=torch.long)}, ValueError, r"input_ids holds no prompt \(shape \[0, 5\]\)"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.tensor([[0, 0, 0], [1, 1, 1]])},
+         ValueError, "attention_mask leaves row 0 without a token"),
+    ],
+    ids=["temperature", "top-p", "eos-float", "eos-string", "eos-negative", "pad", "window", "corpus-type",
+         "corpus-vocabulary", "no-prompt", "empty-row"],
+)
+def test_bad_options_are_refused_before_any_work(llama_tiny, tmp_path, monkeypatch, kwargs, error, message):
+    """Even where nothing is measured yet (an empty cost-curve cache: the engine would first time the model),
+    a bad option is reported before any forward pass."""
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    call = {"input_ids": [5, 6, 7], **kwargs}
+    with ForwardRecorder(llama_tiny) as recorder, pytest.raises(error, match=message):
+        generate(llama_tiny, call.pop("input_ids"), max_new_tokens=4, **call)
+    assert recorder.sizes == []
+
+
+@pytest.mark.parametrize("eos", [np.int64(2), torch.tensor(2), [torch.tensor(2)], (2,)], ids=["numpy", "tensor-0d",
+                                                                                           "list-of-tensors", "tuple"])
+def test_stop_tokens_may_come_as_any_integer_type(llama_tiny, eos):
+    expected = generate(llama_tiny, [5, 6, 7], max_new_tokens=12, eos_token_id=2).sequences
+    assert torch.equal(generate(llama_tiny, [5, 6, 7], max_new_tokens=12, eos_token_id=eos).sequences, expected)
+
+
+def test_corpus_documents_are_token_ids():
+    as_list, as_tensor = Corpus(), Corpus()
+    as_list.add([5, 6, 7, 8])
+    as_tensor.add(torch.tensor([5, 6, 7, 8]))  # what a tokenizer returns
+    assert as_tensor.tokens == as_list.tokens == 5 and as_tensor.largest_token == 8
+    for document in ([5, "6"], [5, -1], [[5, 6]], torch.tensor([[5, 6]]), [5.0], "text"):
+        with pytest.raises(ValueError, match="a corpus document must be a 1-D sequence of token ids"):
+            Corpus().add(document)
+
+
+def test_a_gguf_file_name_needs_the_folder_it_is_in():
+    with pytest.raises(ModelLoadError, match=r"gguf_file \(my-finetune.Q8_0.gguf\) names a file inside the model's "
+                                             "folder"):
+        load_model(gguf_file="my-finetune.Q8_0.gguf")
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["generate", "hi", "--top-k", "5"], "--top-k"),
+        (["generate", "hi", "--top-p", "0.5"], "--top-p"),
+        (["bench", "--top-p", "0.5"], "--top-p"),
+        (["bench", "--batch-size", "1,2", "--turns", "2"], "--turns"),
+        (["bench", "--batch-size", "1", "--baselines", "greedy", "--profile"], "--baselines, --profile"),
+        (["bench", "--batch-size", "1", "--config", "auto", "--config", "5,4,5"], "--config"),
+    ],
+    ids=["generate-top-k", "generate-top-p", "bench-top-p", "batch-turns", "batch-baselines-profile", "batch-configs"],
+)
+def test_cli_options_a_run_would_ignore_are_refused(args, option):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert option in result.stderr and "Traceback" not in result.stderr

@@ -75,9 +75,20 @@ def _sampling_options(
     ]:
         if not valid:
             raise typer.BadParameter(f"must be {allowed}, got {value!r}", param_hint=name)
+    for name, value in (("--top-k", top_k), ("--top-p", top_p)):
+        if value is not None and not options["do_sample"]:
+            raise typer.BadParameter("applies only when sampling: give --temperature > 0 too", param_hint=name)
     if not options["do_sample"]:  # greedy: plain generate takes no sampling options
         del options["temperature"], options["top_k"], options["top_p"]
     return options
+
+
+def _refuse_given(ctx: typer.Context, names: list[str], why: str) -> None:
+    """A usage error naming the options of `names` given on the command line, which this run would ignore."""
+    # By name: typer may bring its own copy of click, whose ParameterSource is another enum.
+    given = [name for name in names if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]
+    if given:
+        raise typer.BadParameter(why, param_hint=", ".join("--" + name.replace("_", "-") for name in given))
 
 
 def _config(window: int | None, ngram: int | None, guesses: int | None, suffix: int | None) -> LookaheadConfig | None:
@@ -328,8 +339,11 @@ def bench_command(
         sizes = _int_list(batch_size, "--batch-size")
         if not sizes or min(sizes) < 1:
             raise typer.BadParameter(f"expected batch sizes >= 1, got {batch_size!r}", param_hint="--batch-size")
-        if sample:
-            raise typer.BadParameter("the batch benchmark decodes greedily", param_hint="--sample")
+        _refuse_given(ctx, ["sample", "temperature", "top_k", "top_p", "seed", "turns", "baselines", "profile"],
+                      "not used with --batch-size (the batch benchmark decodes the first user turn greedily, "
+                      "against transformers' batched generate and our plain engine)")
+        if configs is not None and len(configs) > 1:
+            raise typer.BadParameter("--batch-size runs one lookahead config: give --config once", param_hint="--config")
         prompts = _workload(dataset, 1, raw, category, limit or 16)
         lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
         inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw)[0] for p in prompts]
@@ -351,6 +365,8 @@ def bench_command(
     if unknown:
         raise typer.BadParameter(f"unknown {sorted(unknown)}; allowed: greedy, pld, plain", param_hint="--baselines")
     prompts = _workload(dataset, turns, raw, category, limit)
+    if not sample:
+        _refuse_given(ctx, ["temperature", "top_k", "top_p", "seed"], "applies only with --sample")
     sampling = None
     if sample:
         if temperature <= 0:

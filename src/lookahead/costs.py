@@ -23,11 +23,14 @@ import torch
 from filelock import FileLock
 from transformers import PreTrainedModel
 
-from .hf import COMPILED_HEIGHTS, HFModelRunner, is_sharded
+from .hf import COMPILED_HEIGHTS, HFModelRunner, context_length, is_sharded
 from .models import cache_root
 from .runtime.batch import causal_step, pack_steps
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# Cached tokens under the steps the curves time: short prompts and chats, where decoding spends its steps
+# (fewer where the model's context is shorter).
+MEASURED_CONTEXT = 128
 COST_FORMAT_VERSION = 8
 
 
@@ -116,6 +119,9 @@ def _steps_over_context(runner: HFModelRunner, context: int, sizes: Sequence[int
     """For each k in `sizes`, a call that runs one forward of k random tokens for each of `batch` sequences
     over a cache of `context` random tokens each (filled once, here; the steps' own keys are never kept)."""
     vocab = runner.model.config.get_text_config(decoder=True).vocab_size
+    limit = context_length(runner.model)
+    if limit is not None:  # every position inside the model's context (learned positions stop there)
+        context = max(1, min(context, limit - max(sizes)))
     generator = torch.Generator().manual_seed(0)
     slots = list(range(batch))
     store = runner.new_store(batch, context + max(sizes))
@@ -173,7 +179,7 @@ def _seconds(runner: HFModelRunner, packers: Sequence[str | None], sizes: Sequen
         return lambda: (runner.use_packed(packer, 1), run())[1]
 
     with runner.eager(), runner.untimed():  # compiling every size up front would take minutes on a CPU
-        steps = _steps_over_context(runner, 128, sizes, 1)
+        steps = _steps_over_context(runner, MEASURED_CONTEXT, sizes, 1)
         fastest = _fastest_rounds({(packer, k): through(packer, run) for packer in packers for k, run in steps.items()},
                                   5, runner.device, lambda key: _samples_by_height(key[1]))
     return {packer: [fastest[packer, k] for k in sizes] for packer in packers}
@@ -221,7 +227,7 @@ def _one_row_now(runner: HFModelRunner) -> float:
     key = _path_key(runner)
     if key not in _ONE_ROW_NOW:
         with runner.eager(), runner.untimed():
-            step = _steps_over_context(runner, 128, (1,), 1)[1]
+            step = _steps_over_context(runner, MEASURED_CONTEXT, (1,), 1)[1]
             _ONE_ROW_NOW[key] = _fastest_rounds({1: step}, 3, runner.device)[1]
     return _ONE_ROW_NOW[key]
 
@@ -290,8 +296,8 @@ def _batch_seconds(runner: HFModelRunner, sizes: Sequence[int], batch: int) -> d
     """T(batch, h) for h in `sizes` on the runner's path, and ("one_row") a one-row step of one sequence timed
     in the same rounds: what a later process compares its `_one_row_now` with."""
     with runner.eager(), runner.untimed():
-        runs = {(batch, h): run for h, run in _steps_over_context(runner, 128, sizes, batch).items()}
-        runs[1, 1] = _steps_over_context(runner, 128, (1,), 1)[1]
+        runs = {(batch, h): run for h, run in _steps_over_context(runner, MEASURED_CONTEXT, sizes, batch).items()}
+        runs[1, 1] = _steps_over_context(runner, MEASURED_CONTEXT, (1,), 1)[1]
         fastest = _fastest_rounds(runs, 5, runner.device, lambda key: _samples_by_height(key[0] * key[1]))
     return {"sizes": list(sizes), "seconds": [fastest[batch, h] for h in sizes], "one_row": fastest[1, 1]}
 
@@ -321,7 +327,7 @@ def _compiled_step(runner: HFModelRunner, batch: int, rounds: int = 5) -> dict[s
     times: this machine's speed drifts by 10-20% over minutes, so a saving taken from two measurements
     minutes apart can come out at nothing, or at twice what it is."""
     with runner.untimed():
-        step = _steps_over_context(runner, 128, (1,), batch)[1]
+        step = _steps_over_context(runner, MEASURED_CONTEXT, (1,), batch)[1]
         step()  # compiles it
         if not runner.runs_compiled(1):
             return {"eager": None, "compiled": None}

@@ -9,6 +9,7 @@ rows of the step are shared across the batch by the forward cost curve (`core.dr
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -26,11 +27,12 @@ from .core.suffix import Corpus
 from .costs import CostCurve, batch_cost_curve
 from .hf import HFModelRunner, available_memory, check_model, context_length, is_sharded, vocabulary_size
 from .runtime.batch import StepInput, causal_step, pack_steps
-from .sampling import decoding_rule
+from .sampling import check_decoding_options, decoding_rule
 
 # Rows a step may feed per sequence beyond its committed tokens: the store keeps this much room past
 # `max_length` so that every step, padding included, is written in place.
 STEP_ROOM = 256
+TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)  # what token ids may come in
 
 
 @dataclass
@@ -172,32 +174,23 @@ class Engine:
     def add_request(self, prompt_ids: torch.Tensor | list[int], params: RequestParams | None = None) -> int:
         """Queue a request; its id. Raises ValueError, before any work, for a request that cannot run."""
         params = RequestParams() if params is None else params
-        if not isinstance(params, RequestParams):
-            raise TypeError(f"params must be a RequestParams or None, got {type(params).__name__}")
+        config = check_params(self.model, params)
         prompt = check_request(self.model, prompt_ids, params.max_new_tokens)
         if prompt.numel() + params.max_new_tokens > self.max_length:
             raise ValueError(
                 f"the prompt ({prompt.numel()} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                 f"engine's max_length of {self.max_length} positions")
-        config = AUTO_CONFIG if params.config is None else params.config
-        if not isinstance(config, LookaheadConfig):
-            raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")
-        if 1 + config.window * config.levels > STEP_ROOM // 2:
-            raise ValueError(f"the window of {config.window} x {config.levels} rows is too large for one step; "
-                             f"window x (ngram - 1) must be below {STEP_ROOM // 2}")
-        if params.corpus is not None and not isinstance(params.corpus, Corpus):
-            raise TypeError(f"corpus must be a lookahead Corpus or None, got {type(params.corpus).__name__}")
-        if params.seed is not None and params.generator is not None:
-            raise ValueError("give a request seed or a generator, not both")
         generator = params.generator
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
+        stops = eos_ids(self.model, params.eos_token_id)
         rule = decoding_rule(self.model, params.do_sample, params.temperature, params.top_k, params.top_p,
-                             params.repetition_penalty, params.logits_processor, generator)
+                             params.repetition_penalty, params.logits_processor, generator,
+                             prompt_length=prompt.numel(), max_new_tokens=params.max_new_tokens, eos=stops)
         decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform,
                                    corpus=params.corpus, cost=self.cost, proposers=params.proposers,
-                                   stats=self.acceptance)
-        request = _Request(self._next_id, prompt, params, decoder, eos_ids(self.model, params.eos_token_id),
+                                   stats=self.acceptance, context=context_length(self.model))
+        request = _Request(self._next_id, prompt, params, decoder, set(stops),
                            GenerationStats(window=decoder.window.width))
         self._next_id += 1
         self._waiting.append(request)
@@ -278,7 +271,7 @@ class Engine:
         """Each request's step, sized together: the rows go where they pay for the batch as a whole."""
         cost = self._cost(len(decoding))
         proposals = [r.decoder.propose() for r in decoding]
-        windows = [r.decoder.window_pays(cost) for r in decoding]
+        windows = [r.decoder.window_pays(cost) and r.decoder.window_fits() for r in decoding]
         demands = []
         for request, proposal, window in zip(decoding, proposals, windows):
             left = request.params.max_new_tokens - len(request.generated)
@@ -406,7 +399,7 @@ def _prompt_tensor(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
     ids = torch.as_tensor(input_ids)
     if ids.numel() == 0:
         raise ValueError("input_ids is empty: the prompt needs at least one token")
-    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+    if ids.dtype not in TOKEN_DTYPES:
         raise ValueError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
     if ids.dim() == 2:
         if ids.shape[0] != 1:
@@ -417,23 +410,62 @@ def _prompt_tensor(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
     return ids.to(torch.long).cpu()
 
 
-def eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None) -> set[int]:
-    """The stop tokens: the ones given, else the model's generation config's (none if it has none)."""
+def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConfig:
+    """The request's lookahead config, once every option of `params` has passed its checks; nothing is
+    measured, allocated or drawn from a generator. Raises TypeError/ValueError naming the option."""
+    check_model(model)
+    if not isinstance(params, RequestParams):
+        raise TypeError(f"params must be a RequestParams or None, got {type(params).__name__}")
+    config = AUTO_CONFIG if params.config is None else params.config
+    if not isinstance(config, LookaheadConfig):
+        raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")
+    if 1 + config.window * config.levels > STEP_ROOM // 2:
+        raise ValueError(f"the window of {config.window} x {config.levels} rows is too large for one step; "
+                         f"window x (ngram - 1) must be below {STEP_ROOM // 2}")
+    if params.corpus is not None:
+        if not isinstance(params.corpus, Corpus):
+            raise TypeError(f"corpus must be a lookahead Corpus or None, got {type(params.corpus).__name__}")
+        vocabulary = vocabulary_size(model)
+        if params.corpus.largest_token >= vocabulary:
+            raise ValueError(f"the corpus holds token id {params.corpus.largest_token}, outside the model's "
+                             f"vocabulary [0, {vocabulary}): a corpus serves the models of one tokenizer")
+    if params.seed is not None:
+        if isinstance(params.seed, bool) or not isinstance(params.seed, numbers.Integral) or not (
+                -2**63 <= params.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {params.seed!r}")
+        if params.generator is not None:
+            raise ValueError("give a request seed or a generator, not both")
+    eos_ids(model, params.eos_token_id)
+    check_decoding_options(model, params.do_sample, params.temperature, params.top_k, params.top_p,
+                           params.repetition_penalty, params.logits_processor, params.generator)
+    return config
+
+
+def eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None) -> list[int]:
+    """The stop tokens in order: the ones given, else the model's generation config's (none if it has none).
+    Raises ValueError for anything but a token id or a sequence of token ids."""
     if eos_token_id is None:
         eos_token_id = getattr(model.generation_config, "eos_token_id", None)
     if eos_token_id is None:
-        return set()
-    if isinstance(eos_token_id, int):
-        return {eos_token_id}
-    return set(torch.as_tensor(list(eos_token_id)).tolist())
+        return []
+    try:
+        ids = torch.as_tensor(eos_token_id)
+    except (TypeError, ValueError, RuntimeError):
+        ids = None
+    if ids is not None and ids.dim() == 1 and ids.numel() == 0:  # no stop token (an empty list is float)
+        return []
+    if ids is None or ids.dtype not in TOKEN_DTYPES or ids.dim() > 1 or bool((ids < 0).any()):
+        raise ValueError(f"eos_token_id must be a token id or a list of token ids (integers >= 0), got {eos_token_id!r}")
+    return ids.view(-1).tolist()
 
 
-def pad_id(model: PreTrainedModel) -> int:
-    """The id that fills a sequence after it stops: the model's pad token, else its first EOS token, else 0."""
+def pad_id(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None = None) -> int:
+    """The id that fills a sequence after it stops, as `generate` picks it: the model's pad token, else the
+    first stop token (`eos_token_id`, else the model's), else 0."""
     pad = getattr(model.generation_config, "pad_token_id", None)
     if pad is None:
-        stops = eos_ids(model, None)
-        pad = min(stops) if stops else 0
+        stops = eos_ids(model, eos_token_id)
+        pad = stops[0] if stops else 0
     return int(pad)
 
 

@@ -13,7 +13,7 @@ from transformers import LogitsProcessor, PreTrainedModel
 from .config import LookaheadConfig
 from .core.drafts import Proposer
 from .core.suffix import Corpus
-from .engine import Engine, GenerationStats, RequestParams, check_request, pad_id
+from .engine import Engine, GenerationStats, RequestParams, check_params, check_request, eos_ids, pad_id
 
 
 @dataclass
@@ -41,6 +41,7 @@ def generate(
     generator: torch.Generator | None = None,
     corpus: Corpus | None = None,
     proposers: Sequence[Proposer] = (),
+    pad_token_id: int | None = None,
 ) -> GenerateOutput:
     """Decoding with lookahead. Greedy (the default) gives `model.generate(do_sample=False)`'s output token
     for token; sampling (`do_sample=True`) draws from the same distribution as `model.generate(do_sample=True)`
@@ -49,7 +50,8 @@ def generate(
     drawn from by every sequence of a batch in turn).
 
     input_ids: one prompt ([n] or [1, n]); a batch [B, n], left-padded where `attention_mask` (transformers'
-    convention, 1 for a token, 0 for padding) says so; or a list of 1-D prompts of any lengths. The batch is
+    convention, 1 for a token, 0 for padding) says so (without one, B > 1: where the model's pad token is,
+    unless it is a stop token, as `generate` infers it); or a list of 1-D prompts of any lengths. The batch is
     decoded together by an `Engine` (batch size 1 too). `sequences`: for a tensor, the input followed by the
     new tokens, [B, n + T], right-padded with the pad id after a sequence stops; for a list, each prompt
     followed by its new tokens, right-padded.
@@ -59,8 +61,9 @@ def generate(
     text shared across calls and sequences; the suffix source drafts from it, and each sequence's prompt and
     output are added to it when it finishes. proposers: more draft sources (`lookahead.core.drafts.Proposer`),
     merged into the same tree (one prompt only: a proposer keeps one sequence's state).
-    eos_token_id: one id or several; None takes the model's generation config. streamer: any transformers
-    streamer (one prompt only); it gets the prompt, then every committed token. packed_linear: run the
+    eos_token_id: one id or several; None takes the model's generation config. pad_token_id: what fills a
+    sequence after it stops; None: the model's pad token, else the first stop token (as `generate`).
+    streamer: any transformers streamer (one prompt only); it gets the prompt, then every committed token. packed_linear: run the
     model's linear layers on prepacked weights (CPU: MKL's for float32, compiled or not; oneDNN's for float32
     or bfloat16, eager; None: the packer and the step sizes that measured faster on this machine); see
     `hf.PackedLinears`. compile: run decoding steps through
@@ -70,9 +73,13 @@ def generate(
     per graph (docs/benchmarks.md). compile="cpp-wrapper": the same with the code that calls the compiled
     kernels in C++ rather than Python (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """
-    if config is not None and not isinstance(config, LookaheadConfig):
-        raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")
-    prompts, layout = _prompts(input_ids, attention_mask)
+    params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
+                           repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers))
+    check_params(model, params)
+    pad = pad_id(model, eos_token_id) if pad_token_id is None else pad_token_id
+    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+        raise ValueError(f"pad_token_id must be a token id (an integer >= 0) or None, got {pad_token_id!r}")
+    prompts, layout = _prompts(input_ids, attention_mask, _inferred_padding(model, eos_token_id))
     checked = [check_request(model, prompt, max_new_tokens) for prompt in prompts]
     if len(checked) > 1 and streamer is not None:
         raise ValueError("streamer takes one sequence: pass one prompt, or no streamer")
@@ -80,8 +87,6 @@ def generate(
         raise ValueError("proposers keep one sequence's state: pass one prompt, or no proposers")
     engine = Engine(model, max_batch=len(checked), max_length=max(p.numel() for p in checked) + max_new_tokens,
                     packed_linear=packed_linear, compile=compile)
-    params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
-                           repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers))
     start = time.perf_counter()
     ids = [engine.add_request(prompt, params) for prompt in checked]
     generated: dict[int, list[int]] = {i: [] for i in ids}
@@ -102,7 +107,6 @@ def generate(
     stats.per_sequence = [finished[i] for i in ids]
     stats.window = max(s.window for s in stats.per_sequence)
     stats.accepted_by_source = dict(sum((Counter(s.accepted_by_source) for s in stats.per_sequence), Counter()))
-    pad = pad_id(model)
     outputs = [generated[i] for i in ids]
     if layout is None:  # a list of prompts: each row is its prompt and its output
         rows = [prompt.tolist() + output for prompt, output in zip(checked, outputs)]
@@ -115,8 +119,10 @@ def generate(
     return GenerateOutput(sequences, stats)
 
 
-def _prompts(input_ids, attention_mask: torch.Tensor | None) -> tuple[list, torch.Tensor | None]:
-    """The prompts of a call, and the input tensor the output keeps (None for a list of prompts)."""
+def _prompts(input_ids, attention_mask: torch.Tensor | None, padding: int | None
+             ) -> tuple[list, torch.Tensor | None]:
+    """The prompts of a call, and the input tensor the output keeps (None for a list of prompts). Without
+    an attention mask, the `padding` tokens of a batch (B > 1) are padding, as `generate` infers them."""
     if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, torch.Tensor)):
         if attention_mask is not None:
             raise ValueError("attention_mask goes with a [B, n] tensor of input_ids, not with a list of prompts")
@@ -126,15 +132,31 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None) -> tuple[list, torc
         if attention_mask is not None:
             raise ValueError(f"attention_mask needs input_ids of shape [B, n], got shape {list(ids.shape)}")
         return [ids], ids.reshape(1, -1).to(torch.long).cpu()
+    if ids.shape[0] == 0:
+        raise ValueError(f"input_ids holds no prompt (shape {list(ids.shape)}): give at least one")
     if attention_mask is None:
-        return list(ids), ids.to(torch.long).cpu()
-    mask = torch.as_tensor(attention_mask)
-    if mask.shape != ids.shape:
-        raise ValueError(f"attention_mask must have the shape of input_ids {list(ids.shape)}, got {list(mask.shape)}")
-    if not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
-    mask = mask.to(torch.long)
+        if padding is None or ids.shape[0] == 1 or not bool((ids == padding).any()):
+            return list(ids), ids.to(torch.long).cpu()
+        mask, given = (ids != padding).to(torch.long), " (inferred from the pad token, as generate does)"
+    else:
+        mask, given = torch.as_tensor(attention_mask), ""
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask must have the shape of input_ids {list(ids.shape)}, got {list(mask.shape)}")
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
+        mask = mask.to(torch.long)
     if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
-        raise ValueError("attention_mask must pad on the left (zeros before ones in every row); "
+        raise ValueError(f"attention_mask{given} must pad on the left (zeros before ones in every row); "
                          "pass a list of prompts for other layouts")
+    empty = (mask.sum(dim=1) == 0).nonzero().view(-1)
+    if empty.numel():
+        raise ValueError(f"attention_mask{given} leaves row {int(empty[0])} without a token: every prompt "
+                         "needs at least one")
     return [row[keep.bool()] for row, keep in zip(ids, mask)], ids.to(torch.long).cpu()
+
+
+def _inferred_padding(model: PreTrainedModel, eos_token_id) -> int | None:
+    """The token `generate` reads as padding when it gets no attention mask: the model's pad token, unless
+    it is a stop token too."""
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    return None if pad is None or pad in eos_ids(model, eos_token_id) else int(pad)

@@ -234,6 +234,9 @@ def load_model(
 def _load(name_or_path: str | os.PathLike | None, gguf_file: str | None, torch_dtype: torch.dtype,
           tp_plan: str | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     if name_or_path is None:
+        if gguf_file is not None:
+            raise ModelLoadError(f"gguf_file ({gguf_file}) names a file inside the model's folder: give that folder as "
+                                 "the model, or the .gguf file's path as the model without gguf_file")
         try:
             folder, gguf_file = default_model_dir(), DEFAULT_GGUF_FILE
         except FileNotFoundError as error:

@@ -35,7 +35,7 @@ from .core.decoder import LookaheadDecoder
 from .core.split import split_step
 from .engine import GenerationStats, check_request, eos_ids, kept_tokens
 from .generation import GenerateOutput
-from .hf import HFModelRunner
+from .hf import HFModelRunner, context_length
 from .runtime.batch import StepInput, after_tokens, causal_step, pack_steps
 from .sampling import decoding_rule
 
@@ -79,7 +79,8 @@ def parallel_generate(
     device = model.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     stops = eos_ids(model, eos_token_id)
     rule = decoding_rule(model, do_sample, temperature, top_k, top_p, repetition_penalty, None,
-                         torch.Generator().manual_seed(seed))
+                         torch.Generator().manual_seed(seed), prompt_length=prompt.numel(),
+                         max_new_tokens=max_new_tokens, eos=stops)
     _check_same_call(group, device, prompt, max_new_tokens, config, sorted(stops),
                      [do_sample, temperature, top_k, top_p, repetition_penalty, seed])
 
@@ -91,7 +92,8 @@ def parallel_generate(
         chunk = prompt[begin: min(begin + PREFILL_CHUNK, prompt.numel() - 1)]
         runner.forward(store, pack_steps([0], [begin], [causal_step(chunk)]))
         store.extend(0, chunk.numel())
-    decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform)
+    decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform,
+                               context=context_length(model))
     stats = GenerationStats(window=decoder.window.width)
     generated: list[int] = []
     behind: list[int] = []  # committed tokens whose keys and values this rank has not computed
@@ -109,7 +111,7 @@ def parallel_generate(
         result = decoder.update_from_choices(plan, picked.cpu())
         stats.steps += 1
         stats.tokens_fed += step.tokens.numel()
-        tokens, finished = kept_tokens(result.tokens, max_new_tokens - len(generated), stops)
+        tokens, finished = kept_tokens(result.tokens, max_new_tokens - len(generated), set(stops))
         generated += tokens
         stats.accepted_per_step.append(len(tokens))
         if finished:

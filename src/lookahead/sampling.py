@@ -8,20 +8,41 @@ from dataclasses import dataclass
 
 import torch
 from transformers import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    ExponentialDecayLengthPenalty,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    GenerationConfig,
+    InfNanRemoveLogitsProcessor,
     LogitsProcessor,
     LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
     PreTrainedModel,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
+from transformers.generation.logits_process import TopHLogitsWarper
 
 from .core.decoder import LogitsTransform
 from .core.verify import ChooseRule, gumbel_noise, sample_choice
 
 # What `generate` uses when neither the call nor the model's generation config sets a value.
 GENERATE_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
+# Generation-config options that take `generate` away from greedy search or sampling, with the value that
+# leaves them off.
+UNSUPPORTED_CONFIG = {"num_beams": 1, "penalty_alpha": None, "dola_layers": None, "guidance_scale": 1,
+                      "watermarking_config": None}
 
 
 @dataclass(frozen=True)
@@ -39,9 +60,64 @@ def decoding_rule(
     repetition_penalty: float | None,
     logits_processor: Sequence[LogitsProcessor] | None,
     generator: torch.Generator | None,
+    prompt_length: int,
+    max_new_tokens: int,
+    eos: Sequence[int],
 ) -> DecodingRule:
-    """Validate the options and build the processors in transformers' order: repetition penalty, the
-    user's processors, then (sampling only) temperature, top-k, top-p. temperature=0 means greedy."""
+    """Validate the options and build the processors `generate` would for a prompt of `prompt_length` tokens
+    stopping at `eos`, in transformers' order: those the model's generation config asks for (sequence bias,
+    repetition penalty, no-repeat n-grams, bad words, minimum lengths, forced tokens, suppressed tokens), the
+    user's processors, then (sampling only) temperature, top-k, top-p and the other warpers the config sets.
+    temperature=0 means greedy."""
+    check_decoding_options(model, do_sample, temperature, top_k, top_p, repetition_penalty, logits_processor, generator)
+    config = model.generation_config
+
+    def resolved(name: str, value):
+        if value is not None:
+            return value
+        configured = getattr(config, name, None)
+        return GENERATE_DEFAULTS[name] if configured is None else configured
+
+    temperature = resolved("temperature", temperature)
+    sampling = do_sample and temperature != 0
+    processors = _config_processors(config, resolved("repetition_penalty", repetition_penalty), prompt_length,
+                                    max_new_tokens, list(eos), model.device)
+    processors.extend(logits_processor or [])
+    if sampling:
+        if temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(temperature))
+        if getattr(config, "top_h", None) is not None:
+            processors.append(TopHLogitsWarper(config.top_h))
+        k = resolved("top_k", top_k)
+        if k:
+            processors.append(TopKLogitsWarper(k))
+        p = resolved("top_p", top_p)
+        if p < 1.0:
+            processors.append(TopPLogitsWarper(p))
+        processors.extend(_config_warpers(config, model.device))
+    choose = None
+    if sampling:
+        # One draw from the generator (or torch's global one) seeds the sequence; every position then has
+        # its own noise, so the tokens drawn do not depend on the guesses, the batch or the step sizes.
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+
+        def choose(scores: torch.Tensor, candidates: list[tuple[int, int]], position: int):
+            return sample_choice(scores, candidates, gumbel_noise(seed, position, scores.numel(), scores.device))
+    return DecodingRule(choose, processors or None)
+
+
+def check_decoding_options(
+    model: PreTrainedModel,
+    do_sample: bool,
+    temperature: float | None,
+    top_k: int | None,
+    top_p: float | None,
+    repetition_penalty: float | None,
+    logits_processor: Sequence[LogitsProcessor] | None,
+    generator: torch.Generator | None,
+) -> None:
+    """Raise ValueError, naming the option and what is allowed, for decoding options `decoding_rule` cannot
+    follow; no side effects (nothing is drawn from `generator`)."""
     if not isinstance(do_sample, bool):
         raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
     _check_number("temperature", temperature, lambda v: v >= 0, "a number >= 0 (0 means greedy)")
@@ -53,38 +129,64 @@ def decoding_rule(
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if logits_processor is not None and not all(callable(p) for p in logits_processor):
         raise ValueError("logits_processor must be a list of transformers LogitsProcessor (callables)")
+    config = model.generation_config
+    for name, plain in UNSUPPORTED_CONFIG.items():
+        value = getattr(config, name, None)
+        if value is not None and value != plain:
+            raise ValueError(f"the model's generation config sets {name}={value!r}, which lookahead does not "
+                             f"decode with; set model.generation_config.{name} = {plain!r} to decode without it")
 
-    def resolved(name: str, value):
-        if value is not None:
-            return value
-        configured = getattr(model.generation_config, name, None)
-        return GENERATE_DEFAULTS[name] if configured is None else configured
 
-    temperature = resolved("temperature", temperature)
-    sampling = do_sample and temperature != 0
+
+def _config_processors(config: GenerationConfig, repetition_penalty: float, prompt_length: int,
+                       max_new_tokens: int, eos: list[int], device: torch.device) -> LogitsProcessorList:
+    """The processors `generate` applies for the model's generation config, before the user's (transformers
+    5's `_get_logits_processor`, for a decoder-only model fed input ids; the length options counted as
+    `generate` counts them: min_new_tokens overrides min_length, max_length is the prompt plus max_new_tokens)."""
     processors = LogitsProcessorList()
-    penalty = resolved("repetition_penalty", repetition_penalty)
-    if penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(penalty))
-    processors.extend(logits_processor or [])
-    if sampling:
-        if temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(temperature))
-        k = resolved("top_k", top_k)
-        if k:
-            processors.append(TopKLogitsWarper(k))
-        p = resolved("top_p", top_p)
-        if p < 1.0:
-            processors.append(TopPLogitsWarper(p))
-    choose = None
-    if sampling:
-        # One draw from the generator (or torch's global one) seeds the sequence; every position then has
-        # its own noise, so the tokens drawn do not depend on the guesses, the batch or the step sizes.
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    if config.sequence_bias is not None:
+        processors.append(SequenceBiasLogitsProcessor(config.sequence_bias))
+    if repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+    if config.no_repeat_ngram_size:
+        processors.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
+    if config.bad_words_ids is not None:
+        processors.append(NoBadWordsLogitsProcessor(config.bad_words_ids, eos or None))
+    min_length = prompt_length + config.min_new_tokens if config.min_new_tokens is not None else config.min_length
+    if eos and min_length:
+        processors.append(MinLengthLogitsProcessor(min_length, eos, device=device))
+    if eos and config.min_new_tokens:
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens, eos, device=device))
+    if config.forced_bos_token_id is not None:
+        processors.append(ForcedBOSTokenLogitsProcessor(config.forced_bos_token_id))
+    if config.forced_eos_token_id is not None:
+        processors.append(ForcedEOSTokenLogitsProcessor(prompt_length + max_new_tokens, config.forced_eos_token_id,
+                                                        device=device))
+    if config.remove_invalid_values is True:
+        processors.append(InfNanRemoveLogitsProcessor())
+    if config.exponential_decay_length_penalty is not None:
+        processors.append(ExponentialDecayLengthPenalty(config.exponential_decay_length_penalty, eos, prompt_length))
+    if config.suppress_tokens is not None:
+        processors.append(SuppressTokensLogitsProcessor(config.suppress_tokens, device=device))
+    if config.begin_suppress_tokens is not None:
+        begin = prompt_length + (prompt_length == 1 and config.forced_bos_token_id is not None)
+        processors.append(SuppressTokensAtBeginLogitsProcessor(config.begin_suppress_tokens, begin, device=device))
+    return processors
 
-        def choose(scores: torch.Tensor, candidates: list[tuple[int, int]], position: int):
-            return sample_choice(scores, candidates, gumbel_noise(seed, position, scores.numel(), scores.device))
-    return DecodingRule(choose, processors or None)
+
+def _config_warpers(config: GenerationConfig, device: torch.device) -> list[LogitsProcessor]:
+    """The sampling warpers the model's generation config sets beyond temperature, top-k and top-p, in
+    `generate`'s order."""
+    warpers: list[LogitsProcessor] = []
+    if config.min_p is not None:
+        warpers.append(MinPLogitsWarper(config.min_p))
+    if config.typical_p is not None and config.typical_p < 1.0:
+        warpers.append(TypicalLogitsWarper(config.typical_p))
+    if config.epsilon_cutoff is not None and 0.0 < config.epsilon_cutoff < 1.0:
+        warpers.append(EpsilonLogitsWarper(config.epsilon_cutoff))
+    if config.eta_cutoff is not None and 0.0 < config.eta_cutoff < 1.0:
+        warpers.append(EtaLogitsWarper(config.eta_cutoff, device=device))
+    return warpers
 
 
 def _check_number(name: str, value: object, valid, allowed: str) -> None:

@@ -59,7 +59,8 @@ class LookaheadDecoder:
     suffix source and their predictions for the recycle source. cost: the step cost curve that sizes the
     tree and the window when `config.budget` is set. proposers: more draft sources, after the pool, the
     suffix and the recycle sources. stats: acceptance statistics to learn from and add to (shared by the
-    requests of an engine); None: this sequence's own."""
+    requests of an engine); None: this sequence's own. context: the model's context in positions, past
+    which no row of a step is placed (None: no limit)."""
 
     def __init__(
         self,
@@ -71,10 +72,12 @@ class LookaheadDecoder:
         cost: StepCost | None = None,
         proposers: Sequence[Proposer] = (),
         stats: AcceptanceStats | None = None,
+        context: int | None = None,
     ) -> None:
         if config.budget and cost is None:
             raise ValueError("a budgeted config needs the step cost curve (cost=)")
         self.config = config
+        self.context = context
         self.choose = choose
         self.transform = transform
         self.cost = cost if config.budget else None
@@ -112,6 +115,12 @@ class LookaheadDecoder:
         return RowDemand(base, [min(1.0, p * scale) for p in proposal.nodes.probabilities], self.cost is not None,
                          most if most is not None else base + len(proposal.nodes.prefixes))
 
+    def window_fits(self) -> bool:
+        """Whether every window row's position lies inside the model's context (positions past it have no
+        embedding in a model with learned positions)."""
+        reach = len(self.window.levels) + self.window.width - 1  # the last window row's offset
+        return self.context is None or len(self.sequence) - 1 + reach < self.context
+
     def window_pays(self, cost: StepCost) -> bool:
         """Whether the window's rows are nearly free in a step of relative cost `cost` by height (always,
         unbudgeted)."""
@@ -123,8 +132,11 @@ class LookaheadDecoder:
         waits, unchanged) and the tree of the `nodes` likeliest draft nodes. Without arguments: this
         sequence's own proposal, sized as a step of its own."""
         proposal = proposal or self.propose()
+        window = window and self.window_fits()
         if nodes is None:
             nodes = node_counts([self.demand(proposal, window)], self.cost)[0]
+        if self.context is not None:  # a node's depth is at most the count: the deepest stays inside the context
+            nodes = min(nodes, self.context - len(self.sequence))
         merged = proposal.nodes.tree(nodes)
         window_tokens = self.window.tokens if window else []
         levels, width = (len(self.window.levels), self.window.width) if window_tokens else (0, 0)

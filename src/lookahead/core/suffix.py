@@ -3,6 +3,7 @@ O(1) per appended token, and its continuation as a draft of any length."""
 
 from __future__ import annotations
 
+import numbers
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -141,11 +142,15 @@ class Corpus:
         self.automaton = SuffixAutomaton()
         self.successors = SuccessorTable()
         self.version = 0  # changes whenever the automaton is replaced or grows
+        self.largest_token = -1  # the largest token id held (-1: none), checked against a model's vocabulary
 
     def add(self, tokens: Sequence[int]) -> None:
-        """Add one document (token ids); the oldest ones go if the corpus outgrows its cap."""
+        """Add one document: token ids (a sequence of ints, or a 1-D array or tensor of them); the oldest
+        documents go if the corpus outgrows its cap. Raises ValueError for anything else."""
+        tokens = _token_ids(tokens)
         document = tuple(tokens[-self.max_tokens + 1 :]) if len(tokens) >= self.max_tokens else tuple(tokens)
         self._documents.append(document)
+        self.largest_token = max(self.largest_token, max(document, default=-1))
         if len(self.automaton) + len(document) + 1 > self.max_tokens:
             while sum(len(d) + 1 for d in self._documents) > self.max_tokens:
                 self._documents.popleft()
@@ -175,8 +180,21 @@ class Corpus:
 
     def _rebuild(self) -> None:
         self.automaton = SuffixAutomaton()
+        self.largest_token = -1
         for document in self._documents:
             self._append(document)
+            self.largest_token = max(self.largest_token, max(document, default=-1))
+
+
+def _token_ids(tokens: object) -> list[int]:
+    """`tokens` as a list of ints >= 0 (arrays and tensors through `tolist`)."""
+    if hasattr(tokens, "tolist") and not isinstance(tokens, (list, tuple)):
+        tokens = tokens.tolist()
+    if not isinstance(tokens, (list, tuple)) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        raise ValueError("a corpus document must be a 1-D sequence of token ids (integers >= 0), e.g. a "
+                         f"tokenizer's input_ids for one text; got {type(tokens).__name__}")
+    return [int(t) for t in tokens]
 
 
 class SuffixProposer:

@@ -45,8 +45,9 @@ class StepBatch:
 
 def pack_steps(slots: Sequence[int], lengths: Sequence[int], steps: Sequence[StepInput]) -> StepBatch:
     """`lengths[b]`: positions already cached for sequence b, which are also the positions of its tokens;
-    the step's rows are written from there on. Padding rows see only themselves. (Built in numpy: a step
-    is a few dozen small array operations, each several times cheaper there than as a torch call.)"""
+    the step's rows are written from there on. Padding rows see only themselves and repeat their
+    sequence's last position. (Built in numpy: a step is a few dozen small array operations, each several
+    times cheaper there than as a torch call.)"""
     batch = len(steps)
     height = max(step.tokens.numel() for step in steps)
     cached = np.asarray(lengths, dtype=np.int64)
@@ -58,6 +59,7 @@ def pack_steps(slots: Sequence[int], lengths: Sequence[int], steps: Sequence[Ste
         size = step.tokens.numel()
         tokens[b, :size] = step.tokens.numpy()
         offsets[b, :size] = step.offsets.numpy()
+        offsets[b, size:] = offsets[b, size - 1]  # padding rows: a position inside the model's context
         inner[b, :size, :size] = step.allowed.numpy()
     columns = np.arange(attend)
     step_columns = cached[:, None] + np.arange(height)  # [B, h]: where each row's key is written

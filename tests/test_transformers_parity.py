@@ -1,0 +1,111 @@
+"""What transformers' `generate` does around greedy search, done the same: the processors a model's generation
+config asks for, the pad id of finished rows, the padding inferred without a mask, and steps at the very end
+of a context of learned positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model, reference_greedy
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from lookahead import LookaheadConfig, generate
+
+PROMPT = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
+NEW = 24
+# Draft-accepting configs: the processors must hold at tree nodes deeper than the step's first token.
+CONFIGS = [None, LookaheadConfig(window=3, ngram=3, guesses=3)]
+
+
+def free_run() -> list[int]:
+    """The tiny model's greedy continuation of PROMPT with nothing configured, and no stop token."""
+    return reference_greedy(make_tiny_model("llama"), PROMPT, NEW, eos_token_id=[])[0, PROMPT.shape[1]:].tolist()
+
+
+def generation_options() -> list[tuple[str, object]]:
+    """Generation-config options, each set to a value that changes the free run's greedy output."""
+    free = free_run()
+    repeated = next(t for i, t in enumerate(free) if t in free[:i])
+    return [
+        ("no_repeat_ngram_size", 2),
+        ("min_new_tokens", 6),  # with the free run's second token as the stop token
+        ("suppress_tokens", [free[0]]),
+        ("begin_suppress_tokens", [free[0]]),
+        ("bad_words_ids", [[free[0]], [free[1], free[2]]]),
+        ("sequence_bias", [[[repeated], -50.0]]),
+        ("repetition_penalty", 1.5),
+        ("forced_eos_token_id", 3),
+    ]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["auto", "W3N3G3"])
+def test_the_processors_of_the_models_generation_config_apply_as_in_generate(config):
+    for name, value in generation_options():
+        eos = [free_run()[1]] if name == "min_new_tokens" else []
+        unconfigured = reference_greedy(make_tiny_model("llama"), PROMPT, NEW, eos_token_id=eos)
+        model = make_tiny_model("llama")  # a model of its own: references are keyed by the generation config
+        setattr(model.generation_config, name, value)
+        expected = reference_greedy(model, PROMPT, NEW, eos_token_id=eos)
+        assert not torch.equal(expected, unconfigured), f"{name}={value!r} leaves generate's output as it was"
+        out = generate(model, PROMPT, max_new_tokens=NEW, config=config, eos_token_id=eos)
+        assert out.sequences.tolist() == expected.tolist(), f"{name}={value!r}"
+
+
+def test_a_generation_config_asking_for_another_search_is_refused():
+    model = make_tiny_model("llama")
+    model.generation_config.num_beams = 3
+    with pytest.raises(ValueError, match=r"generation config sets num_beams=3, which lookahead does not decode with; "
+                                         r"set model.generation_config.num_beams = 1"):
+        generate(model, PROMPT, max_new_tokens=4)
+
+
+def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@pytest.mark.parametrize("model_eos, call_eos", [(2, [36, 2]), ([36, 2], None), (None, 36)],
+                         ids=["call-eos", "config-eos-list", "no-config-eos"])
+def test_finished_rows_are_padded_with_what_generate_pads_with(model_eos, call_eos):
+    """Without a pad token, `generate` pads with the first stop token of the call (else of the config)."""
+    model = make_tiny_model("llama")
+    model.generation_config.pad_token_id = None
+    model.generation_config.eos_token_id = model_eos
+    ids, mask = _left_padded([[5, 6, 7, 8, 9], [11, 12, 13]], 0)
+    given = {} if call_eos is None else {"eos_token_id": call_eos}  # generate reads None as "no stop token"
+    with torch.inference_mode():
+        expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8, **given)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=call_eos)
+    assert out.sequences.tolist() == expected.tolist()
+    assert 36 in out.sequences[:, ids.shape[1]:].tolist()[0][:-1]  # a row stopped early and was padded
+
+
+def test_a_batch_without_attention_mask_is_padded_where_its_pad_tokens_are():
+    model = make_tiny_model("llama")
+    pad = model.generation_config.pad_token_id
+    ids, mask = _left_padded([[5, 6, 7, 8, 9], [11, 12, 13]], pad)
+    with torch.inference_mode():
+        expected = model.generate(ids, do_sample=False, max_new_tokens=8, eos_token_id=[])  # mask inferred
+    assert generate(model, ids, max_new_tokens=8, eos_token_id=[]).sequences.tolist() == expected.tolist()
+    assert generate(model, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[]).sequences.tolist() \
+        == expected.tolist()
+    with pytest.raises(ValueError, match=r"attention_mask \(inferred from the pad token, as generate does\) must "
+                                         r"pad on the left"):
+        generate(model, torch.tensor([[5, pad, 6], [7, 8, 9]]), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("config", [None, LookaheadConfig(window=5, ngram=4, guesses=5)], ids=["auto", "W5N4G5"])
+def test_steps_stay_inside_a_context_of_learned_positions(config):
+    """GPT-2 has an embedding for positions below n_positions only: no row of a step (window, drafts,
+    padding) and no cost measurement may reach past it, up to a request that ends at the last position."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=96, n_embd=64, n_layer=2, n_head=4,
+                                       bos_token_id=1, eos_token_id=2)).eval()
+    prompt = torch.tensor([[5, 6, 7, 8] * 18])  # 72 tokens, repetitive: drafts are found and fed
+    expected = reference_greedy(model, prompt, 24, eos_token_id=[])
+    out = generate(model, prompt, max_new_tokens=24, config=config, eos_token_id=[])
+    assert out.sequences.shape[1] == 96
+    assert out.sequences.tolist() == expected.tolist()
+    assert out.stats.steps < 24  # drafts were accepted, up to the end
