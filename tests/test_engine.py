@@ -207,3 +207,71 @@ def test_the_cost_of_a_batch_step_is_measured_per_batch_size_once(llama_tiny):
         again = batch_cost_curve(runner, 8)
     assert recorder.sizes == [] and again.relative == curve.relative  # kept, not measured again
     assert batch_cost_curve(runner, 1).sizes == [1, 2, 4, 8, 16, 32, 64]  # one sequence: the k-row curve
+
+
+def _run(engine: Engine, requests: dict[int, torch.Tensor], outputs: dict[int, list[int]], errors: dict) -> None:
+    """Step until every request is done, collecting tokens and errors per request id."""
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.tokens)
+            if output.error is not None:
+                errors[output.request_id] = output.error
+
+
+def test_prompt_chunks_packed_together_stay_inside_each_slots_store():
+    """A long prompt's last chunk beside a new prompt's tall one: the short chunk is padded to the tall one's
+    height, and that padding must fit the first request's slot (it had overflowed it: every later step
+    failed)."""
+    torch.manual_seed(0)
+    from conftest import _COMMON, peaked
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = peaked(LlamaForCausalLM(LlamaConfig(**{**_COMMON, "max_position_embeddings": 2048})), 0.15)
+    engine = Engine(model, max_batch=2, max_length=1040, prefill_chunk=1024)
+    long, short = random_prompt(1026, 1)[0], random_prompt(513, 2)[0]
+    params = RequestParams(max_new_tokens=6, config=LookaheadConfig(window=0, guesses=0), eos_token_id=[])
+    requests = {engine.add_request(long, params): long}
+    outputs: dict[int, list[int]] = {}
+    engine.step()  # the long prompt's first 1024 tokens
+    requests[engine.add_request(short, params)] = short
+    _run(engine, requests, outputs, {})
+    for rid, prompt in requests.items():
+        expected = reference_greedy(model, prompt.view(1, -1), 6, eos_token_id=[])[0, prompt.numel():]
+        assert outputs[rid] == expected.tolist()
+
+
+class FailsOnce:
+    """A logits processor with a bug that shows once, at its `when`-th call."""
+
+    def __init__(self, when: int) -> None:
+        self.calls, self.when = 0, when
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.when:
+            raise RuntimeError("a bug in the user's processor")
+        return scores
+
+
+def test_a_request_whose_decoding_rule_fails_ends_alone_and_the_others_stay_exact(llama_tiny):
+    engine = Engine(llama_tiny, max_batch=3)
+    prompts = prompts_of([9, 5, 12], seed=11)
+    ids = [engine.add_request(p, RequestParams(max_new_tokens=20, eos_token_id=[],
+                                               logits_processor=[FailsOnce(4)] if i == 1 else None))
+           for i, p in enumerate(prompts)]
+    outputs: dict[int, list[int]] = {}
+    errors: dict[int, Exception] = {}
+    _run(engine, dict(zip(ids, prompts)), outputs, errors)
+    assert list(errors) == [ids[1]] and "a bug in the user's processor" in str(errors[ids[1]])
+    for rid, prompt in zip([ids[0], ids[2]], [prompts[0], prompts[2]]):
+        expected = reference_greedy(llama_tiny, prompt.view(1, -1), 20, eos_token_id=[])[0, prompt.numel():]
+        assert outputs[rid] == expected.tolist()
+    with pytest.raises(RuntimeError, match="a bug in the user's processor"):
+        generate(llama_tiny, prompts[0], max_new_tokens=8, logits_processor=[FailsOnce(2)])
+
+
+def test_a_context_too_short_to_time_steps_in_is_refused_by_name():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from lookahead import UnsupportedModelError
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=1, n_head=2)).eval()
+    with pytest.raises(UnsupportedModelError, match="the model's context of 64 positions is too short"):
+        generate(model, [5, 6, 7], max_new_tokens=4)

@@ -155,11 +155,13 @@ def _corpus_beyond_the_vocabulary() -> Corpus:
         ({"corpus": _corpus_beyond_the_vocabulary()}, ValueError,
          r"the corpus holds token id 700, outside the model's vocabulary \[0, 128\)"),
         ({"input_ids": torch.zeros(0, 5, dtype=torch.long)}, ValueError, r"input_ids holds no prompt \(shape \[0, 5\]\)"),
+        ({"input_ids": "hello"}, ValueError, r"input_ids must be token ids \(a list of ints or an integer tensor\), got str"),
+        ({"proposers": [object()]}, TypeError, r"proposers must be draft sources with propose\(text, limit\)"),
         ({"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.tensor([[0, 0, 0], [1, 1, 1]])},
          ValueError, "attention_mask leaves row 0 without a token"),
     ],
     ids=["temperature", "top-p", "eos-float", "eos-string", "eos-negative", "pad", "window", "corpus-type",
-         "corpus-vocabulary", "no-prompt", "empty-row"],
+         "corpus-vocabulary", "no-prompt", "text-prompt", "proposer", "empty-row"],
 )
 def test_bad_options_are_refused_before_any_work(llama_tiny, tmp_path, monkeypatch, kwargs, error, message):
     """Even where nothing is measured yet (an empty cost-curve cache: the engine would first time the model),
@@ -210,3 +212,15 @@ def test_cli_options_a_run_would_ignore_are_refused(args, option):
     result = run_cli(*args)
     assert result.returncode == 2
     assert option in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_seed_may_be_a_numpy_integer(llama_tiny):
+    from lookahead.engine import Engine, RequestParams
+    engine = Engine(llama_tiny, max_batch=2)
+    ids = [engine.add_request([5, 6, 7], RequestParams(max_new_tokens=10, do_sample=True, seed=seed, eos_token_id=[]))
+           for seed in (4, np.int64(4))]
+    outputs: dict[int, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id] += output.tokens
+    assert outputs[ids[0]] == outputs[ids[1]] and len(outputs[ids[0]]) == 10

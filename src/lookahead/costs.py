@@ -23,7 +23,7 @@ import torch
 from filelock import FileLock
 from transformers import PreTrainedModel
 
-from .hf import COMPILED_HEIGHTS, HFModelRunner, context_length, is_sharded
+from .hf import COMPILED_HEIGHTS, HFModelRunner, UnsupportedModelError, context_length, is_sharded
 from .models import cache_root
 from .runtime.batch import causal_step, pack_steps
 
@@ -121,7 +121,10 @@ def _steps_over_context(runner: HFModelRunner, context: int, sizes: Sequence[int
     vocab = runner.model.config.get_text_config(decoder=True).vocab_size
     limit = context_length(runner.model)
     if limit is not None:  # every position inside the model's context (learned positions stop there)
-        context = max(1, min(context, limit - max(sizes)))
+        if limit <= max(sizes):
+            raise UnsupportedModelError(f"the model's context of {limit} positions is too short: lookahead sizes its "
+                                        f"steps by timing steps of up to {max(sizes)} tokens after a cached prefix")
+        context = min(context, limit - max(sizes))
     generator = torch.Generator().manual_seed(0)
     slots = list(range(batch))
     store = runner.new_store(batch, context + max(sizes))

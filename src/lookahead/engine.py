@@ -81,8 +81,8 @@ class RequestParams:
     """How one request decodes. Greedy by default; sampling options as in `generate` (unset ones come from
     the model's generation config). seed: this request's own sampling generator, so that its output does
     not depend on what else is in the batch (or pass `generator`). config None: `AUTO_CONFIG`.
-    corpus: text shared with other requests for the suffix source; the request's prompt and output are
-    added to it when it finishes. proposers: more draft sources, owned by this request."""
+    corpus: text shared with other requests for the suffix and recycle sources; the request's prompt and
+    output are added to it when it finishes. proposers: more draft sources, owned by this request."""
 
     max_new_tokens: int = 128
     config: LookaheadConfig | None = None
@@ -105,6 +105,7 @@ class StepOutput:
     tokens: list[int]  # committed by this step (after a stop token: none)
     finished: bool
     stats: GenerationStats | None = None  # the request's, once finished
+    error: Exception | None = None  # what ended it early: its decoding rule raised (e.g. a logits processor)
 
 
 @dataclass
@@ -182,7 +183,7 @@ class Engine:
                 f"engine's max_length of {self.max_length} positions")
         generator = params.generator
         if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed)
+            generator = torch.Generator().manual_seed(int(params.seed))
         stops = eos_ids(self.model, params.eos_token_id)
         rule = decoding_rule(self.model, params.do_sample, params.temperature, params.top_k, params.top_p,
                              params.repetition_penalty, params.logits_processor, generator,
@@ -242,10 +243,15 @@ class Engine:
         self.stats.phase_seconds["inputs"] -= self.runner.forward_seconds - before  # the lap ran the forward
         self.stats.steps += 1
         self.stats.tokens_fed += batch.tokens.numel()
-        outputs, kept = [], []
+        outputs, kept, failed = [], [], {}
         for row, (request, plan) in enumerate(zip(decoding, plans)):
             pick = batch.picks[row]
-            result = request.decoder.update(plan, logits[row] if pick is None else logits[row, pick.to(logits.device)])
+            try:
+                result = request.decoder.update(plan, logits[row] if pick is None else logits[row, pick.to(logits.device)])
+            except Exception as error:  # noqa: BLE001 - its own decoding rule (a user's processor) failed: it alone ends
+                failed[request.id] = error
+                outputs.append([request, [], True])
+                continue
             tokens, finished = self._stop(request, result.tokens)
             request.stats.steps += 1
             request.stats.tokens_fed += plan.layout.size
@@ -261,6 +267,10 @@ class Engine:
         self.stats.new_tokens += self.stats.accepted_per_step[-1]
         reports = []
         for request, tokens, finished in outputs:
+            if request.id in failed:
+                self._free(request)
+                reports.append(StepOutput(request.id, [], True, error=failed[request.id]))
+                continue
             stats = self._finish(request) if finished else None
             reports.append(StepOutput(request.id, tokens, finished, stats))
         self.stats.forward_seconds = self.runner.forward_seconds
@@ -308,7 +318,9 @@ class Engine:
         for request in joining:
             chunk = min(self.prefill_chunk, request.prompt.numel() - 1 - request.prefilled)
             height = max([chunk] + [c for _, c in chosen])
-            if chosen and height * (len(chosen) + 1) > self.prefill_chunk:
+            # Every chunk is padded to the tallest: the padding must still fit each slot's store.
+            fits = all(r.prefilled + height <= self.store.capacity for r, _ in [*chosen, (request, chunk)])
+            if chosen and (height * (len(chosen) + 1) > self.prefill_chunk or not fits):
                 break
             chosen.append((request, chunk))
         if not chosen:
@@ -395,8 +407,17 @@ def check_request(model: PreTrainedModel, input_ids: torch.Tensor | list[int], m
     return prompt
 
 
+def as_token_tensor(input_ids: object) -> torch.Tensor:
+    """`input_ids` as a tensor; ValueError for what cannot be token ids (text, None, ragged lists)."""
+    try:
+        return torch.as_tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"input_ids must be token ids (a list of ints or an integer tensor), got "
+                         f"{type(input_ids).__name__}") from error
+
+
 def _prompt_tensor(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
-    ids = torch.as_tensor(input_ids)
+    ids = as_token_tensor(input_ids)
     if ids.numel() == 0:
         raise ValueError("input_ids is empty: the prompt needs at least one token")
     if ids.dtype not in TOKEN_DTYPES:
@@ -435,6 +456,10 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {params.seed!r}")
         if params.generator is not None:
             raise ValueError("give a request seed or a generator, not both")
+    if not all(callable(getattr(p, "propose", None)) and callable(getattr(p, "observe", None))
+               for p in params.proposers):
+        raise TypeError("proposers must be draft sources with propose(text, limit) and observe(text, new) "
+                        "(lookahead.core.drafts.Proposer)")
     eos_ids(model, params.eos_token_id)
     check_decoding_options(model, params.do_sample, params.temperature, params.top_k, params.top_p,
                            params.repetition_penalty, params.logits_processor, params.generator)

@@ -13,7 +13,8 @@ from transformers import LogitsProcessor, PreTrainedModel
 from .config import LookaheadConfig
 from .core.drafts import Proposer
 from .core.suffix import Corpus
-from .engine import Engine, GenerationStats, RequestParams, check_params, check_request, eos_ids, pad_id
+from .engine import (Engine, GenerationStats, RequestParams, as_token_tensor, check_params, check_request, eos_ids,
+                     pad_id)
 
 
 @dataclass
@@ -56,22 +57,22 @@ def generate(
     new tokens, [B, n + T], right-padded with the pad id after a sequence stops; for a list, each prompt
     followed by its new tokens, right-padded.
 
-    config: None means `AUTO_CONFIG`: the n-gram pool, the window and the suffix source, each step sized to
-    the model's forward cost on this device (measured once, cached) and shared across the batch. corpus:
-    text shared across calls and sequences; the suffix source drafts from it, and each sequence's prompt and
-    output are added to it when it finishes. proposers: more draft sources (`lookahead.core.drafts.Proposer`),
-    merged into the same tree (one prompt only: a proposer keeps one sequence's state).
-    eos_token_id: one id or several; None takes the model's generation config. pad_token_id: what fills a
-    sequence after it stops; None: the model's pad token, else the first stop token (as `generate`).
-    streamer: any transformers streamer (one prompt only); it gets the prompt, then every committed token. packed_linear: run the
-    model's linear layers on prepacked weights (CPU: MKL's for float32, compiled or not; oneDNN's for float32
-    or bfloat16, eager; None: the packer and the step sizes that measured faster on this machine); see
-    `hf.PackedLinears`. compile: run decoding steps through
-    `torch.compile` of the model, padded to a few fixed heights (`hf.COMPILED_HEIGHTS`), each compiled on
-    first use (seconds to minutes per height on a CPU; a height whose compilation fails runs eagerly, with a
-    warning). Off by default: on our 2-core CPU it saves 8-9 ms of a 22-37 ms step, but compiling costs 10-70 s
-    per graph (docs/benchmarks.md). compile="cpp-wrapper": the same with the code that calls the compiled
-    kernels in C++ rather than Python (3-7% faster int4 steps there; compiling a graph took up to 230 s).
+    config: None means `AUTO_CONFIG`: the n-gram pool, the window, the suffix and the recycle sources, each step
+    sized to the model's forward cost on this device (measured once, cached) and shared across the batch.
+    corpus: text shared across calls and sequences; the suffix source drafts from it and the recycle source from
+    the predictions it keeps, and each sequence's prompt and output are added to it when it finishes. proposers:
+    more draft sources (`lookahead.core.drafts.Proposer`), merged into the same tree (one prompt only: a
+    proposer keeps one sequence's state). eos_token_id: one id or several; None takes the model's generation
+    config. pad_token_id: what fills a sequence after it stops; None: the model's pad token, else the first stop
+    token (as `generate`). streamer: any transformers streamer (one prompt only); it gets the prompt, then every
+    committed token. packed_linear: run the model's linear layers on prepacked weights (CPU: MKL's for float32,
+    compiled or not; oneDNN's for float32 or bfloat16, eager; None: the packer and the step sizes that measured
+    faster on this machine); see `hf.PackedLinears`. compile: run decoding steps through `torch.compile` of the
+    model, padded to a few fixed heights (`hf.COMPILED_HEIGHTS`), each compiled on first use (seconds to minutes
+    per height on a CPU; a height whose compilation fails runs eagerly, with a warning). Off by default: on our
+    2-core CPU it saves 8-9 ms of a 22-37 ms step, but compiling costs 10-70 s per graph (docs/benchmarks.md).
+    compile="cpp-wrapper": the same with the code that calls the compiled kernels in C++ rather than Python
+    (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """
     params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
                            repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers))
@@ -95,6 +96,8 @@ def generate(
         streamer.put(checked[0].view(1, -1))
     while engine.has_unfinished():
         for output in engine.step():
+            if output.error is not None:
+                raise output.error
             generated[output.request_id].extend(output.tokens)
             if streamer is not None and output.tokens:
                 streamer.put(torch.tensor(output.tokens))
@@ -127,7 +130,7 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None, padding: int | None
         if attention_mask is not None:
             raise ValueError("attention_mask goes with a [B, n] tensor of input_ids, not with a list of prompts")
         return list(input_ids), None
-    ids = torch.as_tensor(input_ids)
+    ids = as_token_tensor(input_ids)
     if ids.dim() != 2:
         if attention_mask is not None:
             raise ValueError(f"attention_mask needs input_ids of shape [B, n], got shape {list(ids.shape)}")

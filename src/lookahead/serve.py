@@ -287,7 +287,8 @@ class EngineLoop:
                         self.engine.abort(request)
                     self._streams.clear()
                 else:
-                    deliveries = [(self._streams.get(o.request_id), o) for o in outputs]
+                    deliveries = [(self._streams.get(o.request_id), o if o.error is None else _engine_failure(o.error))
+                                  for o in outputs]
                     for output in outputs:
                         if output.finished:
                             self._streams.pop(output.request_id, None)
