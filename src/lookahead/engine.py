@@ -27,7 +27,7 @@ from .core.suffix import Corpus
 from .costs import CostCurve, batch_cost_curve
 from .hf import HFModelRunner, available_memory, check_model, context_length, is_sharded, vocabulary_size
 from .runtime.batch import StepInput, causal_step, pack_steps
-from .sampling import check_decoding_options, decoding_rule
+from .sampling import DecodingOptions, check_decoding_options, decoding_rule
 
 # Rows a step may feed per sequence beyond its committed tokens: the store keeps this much room past
 # `max_length` so that every step, padding included, is written in place.
@@ -97,6 +97,11 @@ class RequestParams:
     generator: torch.Generator | None = None
     corpus: Corpus | None = None
     proposers: Sequence[Proposer] = ()
+
+    def decoding(self, generator: torch.Generator | None) -> DecodingOptions:
+        """This request's decoding options, drawing from `generator`."""
+        return DecodingOptions(self.do_sample, self.temperature, self.top_k, self.top_p, self.repetition_penalty,
+                               self.logits_processor, generator)
 
 
 @dataclass(frozen=True)
@@ -185,9 +190,7 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator().manual_seed(int(params.seed))
         stops = eos_ids(self.model, params.eos_token_id)
-        rule = decoding_rule(self.model, params.do_sample, params.temperature, params.top_k, params.top_p,
-                             params.repetition_penalty, params.logits_processor, generator,
-                             prompt_length=prompt.numel(), max_new_tokens=params.max_new_tokens, eos=stops)
+        rule = decoding_rule(self.model, params.decoding(generator), prompt.numel(), params.max_new_tokens, stops)
         decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform,
                                    corpus=params.corpus, cost=self.cost, proposers=params.proposers,
                                    stats=self.acceptance, context=context_length(self.model))
@@ -461,8 +464,7 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
         raise TypeError("proposers must be draft sources with propose(text, limit) and observe(text, new) "
                         "(lookahead.core.drafts.Proposer)")
     eos_ids(model, params.eos_token_id)
-    check_decoding_options(model, params.do_sample, params.temperature, params.top_k, params.top_p,
-                           params.repetition_penalty, params.logits_processor, params.generator)
+    check_decoding_options(model, params.decoding(params.generator))
     return config
 
 

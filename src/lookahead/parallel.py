@@ -37,7 +37,7 @@ from .engine import GenerationStats, check_request, eos_ids, kept_tokens
 from .generation import GenerateOutput
 from .hf import HFModelRunner, context_length
 from .runtime.batch import StepInput, after_tokens, causal_step, pack_steps
-from .sampling import decoding_rule
+from .sampling import DecodingOptions, decoding_rule
 
 PREFILL_CHUNK = 512
 DEFAULT_TIMEOUT = timedelta(seconds=60)
@@ -78,9 +78,9 @@ def parallel_generate(
     rank, workers = dist.get_rank(group), dist.get_world_size(group)
     device = model.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     stops = eos_ids(model, eos_token_id)
-    rule = decoding_rule(model, do_sample, temperature, top_k, top_p, repetition_penalty, None,
-                         torch.Generator().manual_seed(seed), prompt_length=prompt.numel(),
-                         max_new_tokens=max_new_tokens, eos=stops)
+    options = DecodingOptions(do_sample, temperature, top_k, top_p, repetition_penalty, None,
+                              torch.Generator().manual_seed(seed))
+    rule = decoding_rule(model, options, prompt.numel(), max_new_tokens, stops)
     _check_same_call(group, device, prompt, max_new_tokens, config, sorted(stops),
                      [do_sample, temperature, top_k, top_p, repetition_penalty, seed])
 

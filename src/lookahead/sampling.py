@@ -51,25 +51,27 @@ class DecodingRule:
     transform: LogitsTransform | None  # None: the raw logits
 
 
-def decoding_rule(
-    model: PreTrainedModel,
-    do_sample: bool,
-    temperature: float | None,
-    top_k: int | None,
-    top_p: float | None,
-    repetition_penalty: float | None,
-    logits_processor: Sequence[LogitsProcessor] | None,
-    generator: torch.Generator | None,
-    prompt_length: int,
-    max_new_tokens: int,
-    eos: Sequence[int],
-) -> DecodingRule:
+@dataclass(frozen=True)
+class DecodingOptions:
+    """The options of `generate` that decide how a token is picked from a position's logits."""
+
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    logits_processor: Sequence[LogitsProcessor] | None = None
+    generator: torch.Generator | None = None
+
+
+def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt_length: int, max_new_tokens: int,
+                  eos: Sequence[int]) -> DecodingRule:
     """Validate the options and build the processors `generate` would for a prompt of `prompt_length` tokens
     stopping at `eos`, in transformers' order: those the model's generation config asks for (sequence bias,
     repetition penalty, no-repeat n-grams, bad words, minimum lengths, forced tokens, suppressed tokens), the
     user's processors, then (sampling only) temperature, top-k, top-p and the other warpers the config sets.
     temperature=0 means greedy."""
-    check_decoding_options(model, do_sample, temperature, top_k, top_p, repetition_penalty, logits_processor, generator)
+    check_decoding_options(model, options)
     config = model.generation_config
 
     def resolved(name: str, value):
@@ -78,20 +80,20 @@ def decoding_rule(
         configured = getattr(config, name, None)
         return GENERATE_DEFAULTS[name] if configured is None else configured
 
-    temperature = resolved("temperature", temperature)
-    sampling = do_sample and temperature != 0
-    processors = _config_processors(config, resolved("repetition_penalty", repetition_penalty), prompt_length,
-                                    max_new_tokens, list(eos), model.device)
-    processors.extend(logits_processor or [])
+    temperature = resolved("temperature", options.temperature)
+    sampling = options.do_sample and temperature != 0
+    processors = _config_processors(config, resolved("repetition_penalty", options.repetition_penalty),
+                                    prompt_length, max_new_tokens, list(eos), model.device)
+    processors.extend(options.logits_processor or [])
     if sampling:
         if temperature != 1.0:
             processors.append(TemperatureLogitsWarper(temperature))
         if getattr(config, "top_h", None) is not None:
             processors.append(TopHLogitsWarper(config.top_h))
-        k = resolved("top_k", top_k)
+        k = resolved("top_k", options.top_k)
         if k:
             processors.append(TopKLogitsWarper(k))
-        p = resolved("top_p", top_p)
+        p = resolved("top_p", options.top_p)
         if p < 1.0:
             processors.append(TopPLogitsWarper(p))
         processors.extend(_config_warpers(config, model.device))
@@ -99,35 +101,27 @@ def decoding_rule(
     if sampling:
         # One draw from the generator (or torch's global one) seeds the sequence; every position then has
         # its own noise, so the tokens drawn do not depend on the guesses, the batch or the step sizes.
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        seed = int(torch.randint(0, 2**62, (1,), generator=options.generator))
 
         def choose(scores: torch.Tensor, candidates: list[tuple[int, int]], position: int):
             return sample_choice(scores, candidates, gumbel_noise(seed, position, scores.numel(), scores.device))
     return DecodingRule(choose, processors or None)
 
 
-def check_decoding_options(
-    model: PreTrainedModel,
-    do_sample: bool,
-    temperature: float | None,
-    top_k: int | None,
-    top_p: float | None,
-    repetition_penalty: float | None,
-    logits_processor: Sequence[LogitsProcessor] | None,
-    generator: torch.Generator | None,
-) -> None:
+def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> None:
     """Raise ValueError, naming the option and what is allowed, for decoding options `decoding_rule` cannot
-    follow; no side effects (nothing is drawn from `generator`)."""
-    if not isinstance(do_sample, bool):
-        raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
-    _check_number("temperature", temperature, lambda v: v >= 0, "a number >= 0 (0 means greedy)")
-    _check_number("top_p", top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")
-    _check_number("repetition_penalty", repetition_penalty, lambda v: v > 0, "a number > 0")
+    follow; no side effects (nothing is drawn from the generator)."""
+    if not isinstance(options.do_sample, bool):
+        raise ValueError(f"do_sample must be a bool, got {options.do_sample!r}")
+    _check_number("temperature", options.temperature, lambda v: v >= 0, "a number >= 0 (0 means greedy)")
+    _check_number("top_p", options.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")
+    _check_number("repetition_penalty", options.repetition_penalty, lambda v: v > 0, "a number > 0")
+    top_k = options.top_k
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
         raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    if logits_processor is not None and not all(callable(p) for p in logits_processor):
+    if options.generator is not None and not isinstance(options.generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(options.generator).__name__}")
+    if options.logits_processor is not None and not all(callable(p) for p in options.logits_processor):
         raise ValueError("logits_processor must be a list of transformers LogitsProcessor (callables)")
     config = model.generation_config
     for name, plain in UNSUPPORTED_CONFIG.items():
