@@ -11,8 +11,9 @@ import torch
 from conftest import reference_greedy
 from conftest import run_cli as run
 
-from lookahead.bench.report import divergence_table
-from lookahead.bench.runner import Run, TieMeter
+from lookahead.bench.report import divergence_table, summary_table
+from lookahead.bench.runner import Run, TieMeter, summarize
+from lookahead.bench.serve import LoadRun, load_table
 
 
 def check_results(folder, methods: set[str], prompts: int, turns: int = 1) -> dict:
@@ -102,12 +103,20 @@ def test_bench_corpus_on_a_tiny_model(tiny_dir):
         (["--config", "1,1,1"], "ngram must be an integer >= 2"),
         (["--baselines", "greedy,beam"], "unknown ['beam']"),
         (["--dataset", "mt_bench", "--category", "poetry"], "'poetry' is not in mt_bench"),
+        (["--config", "1,2,1", "--config", "1,2,1"], "each method once: lookahead-W1N2G1 given twice"),
+        (["--turns", "2", "--raw"], "a second turn needs the chat template"),
+        (["--model", "/nowhere", "--dtype", "bfloat16", "cost"], "--model, --dtype"),
+        (["serve", "--url", "http://127.0.0.1:9", "--model", "/nowhere", "--max-batch", "2"], "--model, --max-batch"),
+        (["serve", "--served-model", "x", "--api-key", "k"], "--served-model, --api-key"),
+        (["serve", "--clients", "64"], "mt_bench has 80 prompts, fewer than the 128 requests"),
+        (["parallel", "--cost-file", "pyproject.toml"], "not a cost.json of `lookahead bench cost`"),
     ],
 )
 def test_bench_bad_options(args, message):
+    """Refused before any model loads (a model path that does not exist would fail otherwise)."""
     result = run("bench", *args)
     assert result.returncode == 2
-    assert message in result.stderr
+    assert message in " ".join(result.stderr.split())  # the console wraps long messages
 
 
 @pytest.mark.slow
@@ -214,3 +223,21 @@ def test_the_gpu_check_runs_through_on_tiny_shapes(tmp_path):
     assert curves["hf_static_cuda_graphs"] == "skipped"
     assert {row["mode"] for row in report["projections"]} == {"ours_eager", "hf_static_eager"}
     assert (tmp_path / "gpu_check.txt").stat().st_size > 0
+
+
+def test_compiled_methods_are_compared_with_compiled_plain_and_reports_name_their_baseline():
+    runs = [Run("a", "c", 0, method, 8, steps, seconds, None, 8, None, None)
+            for method, steps, seconds in [("sample", 8, 8.0), ("plain", 8, 4.0), ("lookahead-auto", 4, 2.0),
+                                           ("plain-compiled", 8, 2.0), ("lookahead-auto-compiled", 4, 1.0)]]
+    rows = {r.method: r for r in summarize(runs, baseline="sample") if r.category == "all"}
+    assert rows["lookahead-auto"].speedup_vs_plain == pytest.approx(2.0)
+    assert rows["lookahead-auto-compiled"].speedup_vs_plain == pytest.approx(2.0)  # not 4x: compiled plain took 2 s
+    assert rows["lookahead-auto-compiled"].speedup_total == pytest.approx(8.0)
+    assert "speedup vs sample (total)" in summary_table(list(rows.values()), "sample")
+
+
+def test_the_load_table_says_when_every_request_without_lookahead_failed():
+    failed = LoadRun("off", 2, 4, 4, 1.0, 0, 0, *[float("nan")] * 4)
+    worked = LoadRun("auto", 2, 4, 0, 1.0, 40, 20, 0.1, 0.2, 0.01, 0.02)
+    table = load_table([failed, worked])
+    assert "| off | 2 | 4 | 4 | 0.0 | – |" in table and "| auto | 2 | 4 | 0 | 40.0 | – |" in table

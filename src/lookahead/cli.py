@@ -34,7 +34,7 @@ from .generation import generate
 from .hf import HFModelRunner
 from .models import DEFAULT_MODEL_NAME, WEIGHT_CHOICES, ModelLoadError, load_model
 from .parallel import DEFAULT_TIMEOUT, WorkerError, parallel_generate, run_workers
-from .prompts import encode_prompt
+from .prompts import encode_prompt, has_chat_template
 from .workloads import BUILTIN, load_workload
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Lookahead decoding for Hugging Face causal LMs.")
@@ -332,6 +332,8 @@ def bench_command(
 ) -> None:
     """Run greedy generate, prompt lookup, our plain loop and lookahead side by side on a workload."""
     if ctx.invoked_subcommand is not None:
+        _refuse_given(ctx, list(ctx.params), f"is an option of `lookahead bench` itself, which `bench "
+                      f"{ctx.invoked_subcommand}` does not read: give the subcommand's options after its name")
         return
     configs = [_parse_config(c) for c in config] if config else None
     compile = _compile_mode(compile, cpp_wrapper)
@@ -374,10 +376,18 @@ def bench_command(
         sampling = _sampling_options(temperature, top_k, top_p)
         del sampling["do_sample"]
         sampling["seed"] = seed
-    lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
+    if turns > 1 and raw:  # a second turn continues the conversation through the chat template
+        raise typer.BadParameter("a second turn needs the chat template: leave out --raw", param_hint="--turns")
     if configs is None:  # the automatic config, and the paper's fixed W5 N4 G5 beside it
         configs = [AUTO_CONFIG, LookaheadConfig()]
-    methods = standard_methods(configs, names, sampling=sample, compile=compile)
+    try:
+        methods = standard_methods(configs, names, sampling=sample, compile=compile)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--config, --baselines") from error
+    lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
+    if turns > 1 and not has_chat_template(tokenizer):
+        raise typer.BadParameter("a second turn needs the model's chat template, which this tokenizer lacks",
+                                 param_hint="--turns")
     console = Console(stderr=True)
     total = len(methods) * sum(len(p.turns) for p in prompts)
     with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as progress:
@@ -387,11 +397,12 @@ def bench_command(
             on_run=lambda r: progress.update(task, advance=1, last=f"{r.method} {r.tokens_per_step:.2f} tok/step"),
             sampling=sampling,
         )
-    rows = summarize(runs, baseline="sample" if sample else "greedy")
+    baseline = "sample" if sample else "greedy"
+    rows = summarize(runs, baseline=baseline)
     env = environment(lm)
     if sampling is not None:
         env["sampling"] = ", ".join(f"{k}={v}" for k, v in sampling.items())
-    print(summary_table(rows))
+    print(summary_table(rows, baseline))
     print("\n" + divergence_table(runs))
     print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
     for method in (m for m in methods if m.kind == "lookahead"):
@@ -400,7 +411,7 @@ def bench_command(
         for row in (r for r in rows if r.category == "all" and r.overhead_fraction is not None):
             print(profile_line(row, [r for r in runs if r.method == row.method]))
     if out is not None:
-        for path in write_benchmark(out, runs, rows, env, "lookahead bench " + " ".join(sys.argv[2:])):
+        for path in write_benchmark(out, runs, rows, env, "lookahead bench " + " ".join(sys.argv[2:]), baseline):
             print(f"wrote {path}")
 
 
@@ -416,7 +427,7 @@ def sweep_command(
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
     threads: ThreadsOption = None,
-    out: OutOption = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Folder for sweep.json and sweep.png.")] = None,
 ) -> None:
     """Grid over (W, N, G): tokens/step against tokens fed per step, with a fitted log line."""
     grid = [_int_list(windows, "--windows"), _int_list(ngrams, "--ngrams"), _int_list(guesses, "--guesses")]
@@ -447,7 +458,7 @@ def cost_command(
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
     threads: ThreadsOption = None,
-    out: OutOption = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Folder for cost.json and cost.png.")] = None,
 ) -> None:
     """The model's forward cost T(k) for k new tokens per step over a cached context."""
     lm, _ = _load_model(model, gguf_file, dtype, threads)
@@ -484,6 +495,7 @@ def corpus_command(
 
 @bench_app.command("serve")
 def bench_serve_command(
+    ctx: typer.Context,
     clients: Annotated[int, typer.Option(min=1, help="Concurrent streaming clients.")] = 16,
     requests: Annotated[Optional[int], typer.Option(min=1, help="Requests per mode (default: 2 per client).")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
@@ -506,7 +518,19 @@ def bench_serve_command(
     from .bench.serve import load_table, serve_load
     from .serve import create_app, serve_in_thread
 
-    prompts = [p.turns[0] for p in _workload(dataset, 1, False, None, requests or 2 * clients)]
+    if url is not None:
+        _refuse_given(ctx, ["model", "gguf_file", "dtype", "threads", "max_batch", "compile", "cpp_wrapper"],
+                      "chooses how a server runs: with --url, the server already running decides (start it with "
+                      "`lookahead serve ...`)")
+    else:
+        _refuse_given(ctx, ["served_model", "api_key"], "only applies with --url (the server started here "
+                      "serves --model, without a key)")
+    wanted = requests or 2 * clients
+    prompts = [p.turns[0] for p in _workload(dataset, 1, False, None, wanted)]
+    if len(prompts) < wanted:  # repeating prompts would let the shared corpus draft replies it has seen
+        raise typer.BadParameter(f"{dataset} has {len(prompts)} prompts, fewer than the {wanted} requests asked "
+                                 "for per mode: lower --requests (or --clients), or give a larger --dataset",
+                                 param_hint="--requests")
     compile = _compile_mode(compile, cpp_wrapper)
     console = Console(stderr=True)
 
@@ -518,9 +542,6 @@ def bench_serve_command(
                                                                f"{r.tokens_per_second:.1f} tok/s"))
 
     if url is not None:
-        if compile:
-            raise typer.BadParameter("compiling is the server's choice: start it with `lookahead serve --compile`",
-                                     param_hint="--compile/--cpp-wrapper")
         base = url.rstrip("/")
         name = served_model or _served_model(base, api_key)
         runs = measure(base, name, api_key)
@@ -581,8 +602,13 @@ def bench_parallel_command(
         config = LookaheadConfig(window=window, ngram=ngram, guesses=guesses)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
-    if cost_file is not None and not cost_file.is_file():
-        raise typer.BadParameter(f"no such file: {cost_file}", param_hint="--cost-file")
+    given_curve = None
+    if cost_file is not None:
+        try:
+            given_curve = curve_from_points(json.loads(cost_file.read_text())["points"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise typer.BadParameter(f"not a cost.json of `lookahead bench cost`: {error}",
+                                     param_hint="--cost-file") from error
     prompts = _workload(dataset, 1, raw, None, limit)
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw)[0].tolist() for p in prompts]
@@ -592,12 +618,8 @@ def bench_parallel_command(
         runs = parallel_runs(model, gguf_file, dtype, inputs, counts, threads, max_new_tokens, config,
                              on_run=lambda r: progress.update(task, advance=1, last=f"{r.workers} workers: "
                                                               f"{r.tokens_per_second:.1f} tok/s"))
-    if cost_file is not None:
-        try:
-            curve = curve_from_points(json.loads(cost_file.read_text())["points"])
-        except (ValueError, KeyError) as error:
-            raise typer.BadParameter(f"not a cost.json of `lookahead bench cost`: {error}", param_hint="--cost-file") from error
-        source = str(cost_file)
+    if given_curve is not None:
+        curve, source = given_curve, str(cost_file)
     else:
         points = forward_cost(HFModelRunner(lm, packed_linear=False), context=256,
                               sizes=(1, 2, 4, 8, 16, 32, 64, 128, 192), repeats=3)

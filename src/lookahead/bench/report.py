@@ -24,9 +24,11 @@ def _fmt(value: float | None, digits: int = 2, suffix: str = "") -> str:
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
-def summary_table(rows: list[Summary]) -> str:
+def summary_table(rows: list[Summary], baseline: str = "greedy") -> str:
+    """`baseline`: the method the speedups are against (`summarize`'s)."""
     lines = [
-        "| method | category | runs | tokens/step | tokens/s | speedup vs greedy (total) | (geomean) | vs plain | identical | overhead |",
+        f"| method | category | runs | tokens/step | tokens/s | speedup vs {baseline} (total) | (geomean) | vs plain | "
+        "identical | overhead |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -102,15 +104,16 @@ def _write_results(out: Path, title: str, command: str, env: dict, results: dict
     return [out / "results.json", out / "report.md"]
 
 
-def write_benchmark(out: Path, runs: list[Run], rows: list[Summary], env: dict, command: str) -> list[Path]:
+def write_benchmark(out: Path, runs: list[Run], rows: list[Summary], env: dict, command: str,
+                    baseline: str = "greedy") -> list[Path]:
     results = {"summary": [r.as_dict() for r in rows], "runs": [{**asdict(r), "tokens_per_step": r.tokens_per_step} for r in runs]}
-    body = (f"{summary_table(rows)}\n\n"
+    body = (f"{summary_table(rows, baseline)}\n\n"
             "Speedup (total) is the ratio of total times; geomean, the geometric mean of per-prompt ratios; "
             "overhead, the share of our time spent outside the model's forward.\n\n"
             f"## Divergences\n\n{divergence_table(runs)}\n\n"
             "![speedup](speedup.png)\n\n![tokens per step](tokens_per_step.png)\n")
     return [*_write_results(out, "Benchmark", command, env, results, body),
-            _bars(out / "speedup.png", rows, "speedup_total", "speedup vs greedy"),
+            _bars(out / "speedup.png", rows, "speedup_total", f"speedup vs {baseline}"),
             _bars(out / "tokens_per_step.png", rows, "tokens_per_step", "tokens per step")]
 
 

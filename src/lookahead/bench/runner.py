@@ -42,10 +42,17 @@ def standard_methods(
     methods = [Method("sample" if sampling and b == "greedy" else b, kinds[b]) for b in baselines]
     methods += [Method(f"lookahead-{c.label}", "lookahead", c) for c in configs]
     if compile:
-        suffix = "cpp-wrapper" if compile == "cpp-wrapper" else "compiled"
-        methods += [Method(f"{m.name}-{suffix}", m.kind, m.config, compile) for m in methods
+        suffix = COMPILED_SUFFIXES[compile == "cpp-wrapper"]
+        methods += [Method(f"{m.name}{suffix}", m.kind, m.config, compile) for m in methods
                     if m.kind in ("plain", "lookahead")]
+    names = [m.name for m in methods]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"each method once: {', '.join(repeated)} given twice")
     return methods
+
+
+COMPILED_SUFFIXES = ("-compiled", "-cpp-wrapper")  # a compiled method's name: its eager name and one of these
 
 
 @dataclass
@@ -212,9 +219,9 @@ class Summary:
     seconds: float
     tokens_per_step: float
     tokens_per_second: float
-    speedup_total: float | None  # transformers' generate's total time / this method's total time
+    speedup_total: float | None  # the baseline's total time (transformers' generate) / this method's
     speedup_geomean: float | None  # geometric mean of per-run ratios
-    speedup_vs_plain: float | None  # against our own loop with lookahead off
+    speedup_vs_plain: float | None  # against our own loop with lookahead off (compiled alike)
     identical_rate: float | None
     overhead_fraction: float | None  # share of the time outside the model's forward
 
@@ -237,9 +244,12 @@ def summarize(runs: list[Run], baseline: str = "greedy") -> list[Summary]:
     methods = list(dict.fromkeys(r.method for r in runs))
     categories = list(dict.fromkeys(r.category for r in runs))
     by_key = lambda name: {(r.prompt_id, r.turn): r for r in runs if r.method == name}  # noqa: E731
-    greedy, plain = by_key(baseline), by_key("plain")
+    greedy = by_key(baseline)
     rows = []
     for method in methods:
+        # Against our loop on the same forward (compiled methods against compiled plain): the algorithm's gain.
+        plain = by_key(next((f"plain{s}" for s in COMPILED_SUFFIXES if method.endswith(s) and f"plain{s}" in methods),
+                            "plain"))
         for category in categories + ["all"]:
             mine = [r for r in runs if r.method == method and category in ("all", r.category)]
             if not mine:

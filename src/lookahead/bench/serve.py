@@ -158,8 +158,9 @@ def load_table(runs: Sequence[LoadRun]) -> str:
              "ITL p50 (ms) | ITL p99 (ms) | same reply as off |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         same = "–" if r.identical is None else f"{r.identical}/{r.requests - r.failed}"
+        ratio = f"{r.tokens_per_second / off.tokens_per_second:.2f}x" if off.tokens_per_second else "–"  # all failed
         lines.append(f"| {r.mode} | {r.clients} | {r.requests} | {r.failed} | {r.tokens_per_second:.1f} | "
-                     f"{r.tokens_per_second / off.tokens_per_second:.2f}x | {r.tokens_per_step:.2f} | "
+                     f"{ratio} | {r.tokens_per_step:.2f} | "
                      f"{r.first_token_p50:.2f} | {r.first_token_p99:.2f} | {1000 * r.inter_token_p50:.1f} | "
                      f"{1000 * r.inter_token_p99:.1f} | {same} |")
     return "\n".join(lines)
