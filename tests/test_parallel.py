@@ -101,6 +101,30 @@ def test_workers_give_greedy_generate_token_for_token_on_tiny_models(workers):
         assert output == expected[0].tolist(), (family, config)
 
 
+def _long_drafts(prompt: list[int]) -> list[int]:
+    """Suffix drafts of up to 32 tokens: steps far taller than the window and the pool make."""
+    config = LookaheadConfig(window=0, ngram=2, guesses=1, suffix=32)
+    return parallel_generate(make_tiny_model("llama"), prompt, 40, config, eos_token_id=[]).sequences[0].tolist()
+
+
+def test_long_suffix_drafts_fit_the_workers_kv_store():
+    """A prompt holding the model's own continuation twice: the suffix source proposes long drafts, which
+    had overflowed the store the workers sized for the window and the pool alone."""
+    free = reference_greedy(make_tiny_model("llama"), torch.tensor([PROMPT]), 40, eos_token_id=[])[0].tolist()
+    prompt = free + PROMPT
+    expected = reference_greedy(make_tiny_model("llama"), torch.tensor([prompt]), 40, eos_token_id=[])[0].tolist()
+    assert run_workers(2, _long_drafts, prompt, threads=1) == expected
+
+
+def _big_result(size: int) -> bytes:
+    return bytes(range(256)) * (size // 256)
+
+
+def test_a_result_larger_than_a_pipe_buffer_comes_back():
+    """Rank 0's result is read while the workers run (it had hung, blocked in its write, past 64 KiB)."""
+    assert run_workers(2, _big_result, 1 << 20, threads=1) == _big_result(1 << 20)
+
+
 def _sample_tiny(seeds: list[int]) -> list[list[int]]:
     model = make_tiny_model("llama")
     return [parallel_generate(model, PROMPT, 40, LookaheadConfig(7, 4, 7), eos_token_id=[], do_sample=True,
@@ -177,7 +201,8 @@ def test_without_a_process_group_parallel_generate_says_how_to_start_one():
 
 @pytest.mark.parametrize("args, option", [(["--workers", "0"], "--workers"),
                                           (["--workers", "2", "--temperature", "-1"], "--temperature"),
-                                          (["--workers", "2", "--compare"], "--compare")])
+                                          (["--workers", "2", "--compare"], "--compare"),
+                                          (["--tensor-parallel", "--dtype", "int8"], "keeps weights quantised")])
 def test_bad_parallel_options_are_refused_before_loading_anything(args, option):
     result = run("generate", "hello", *args)
     assert result.returncode == 2 and option in result.stderr

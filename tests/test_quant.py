@@ -83,7 +83,7 @@ def test_quantise_weights_swaps_every_linear(llama_tiny):
     assert weights_of(model) == "int4" and weights_of(llama_tiny) is None
     assert rounding_dtype(model) == torch.bfloat16 and rounding_dtype(llama_tiny) == torch.float32
     # an input size that groups of 32 do not divide falls back to int8
-    odd = quantise_weights(nn.Sequential(nn.Linear(40, 8)), "int4")
+    odd = quantise_weights(nn.Sequential(nn.Linear(48, 8)), "int4")
     assert isinstance(odd[0], Int8Linear)
 
 
@@ -142,3 +142,22 @@ def test_cli_generates_with_int4_weights(tiny_dir):
                      "--max-new-tokens", "8", "--json")
     assert result.returncode == 0, result.stderr
     assert '"new_tokens": 8' in result.stdout
+
+
+def test_layers_of_shapes_the_kernels_do_not_take_keep_working():
+    """The int8 kernel needs an input size that is a multiple of 16 (others gave wrong products or crashed),
+    the int4 kernel an output size that is one too: such layers fall back to int8, or keep float weights."""
+    from lookahead.quant import Int4Linear, Int8Linear, quantise_weights
+    torch.manual_seed(0)
+    shapes = [(64, 40), (40, 64), (64, 1), (64, 32)]
+    floats = nn.ModuleList(nn.Linear(a, b) for a, b in shapes)
+    model = quantise_weights(copy.deepcopy(floats), "int4")
+    assert [type(layer) for layer in model] == [Int8Linear, nn.Linear, Int8Linear, Int4Linear]
+    for (inputs, _), quantised, original in zip(shapes, model, floats):
+        x = torch.randn(3, inputs)
+        error = (quantised(x) - original(x)).abs().max() / original(x).abs().max()
+        assert error < 0.1, (inputs, type(quantised).__name__)  # a quantisation error, not a wrong product
+    with pytest.raises(ValueError, match="int8 needs in_features divisible by 16, got 40"):
+        Int8Linear(nn.Linear(40, 8))
+    with pytest.raises(ValueError, match="int4 needs in_features divisible by 32 and out_features by 16, got 64 and 1"):
+        Int4Linear(nn.Linear(64, 1))

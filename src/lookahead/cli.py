@@ -33,6 +33,7 @@ from .engine import check_request
 from .generation import generate
 from .hf import HFModelRunner
 from .models import DEFAULT_MODEL_NAME, WEIGHT_CHOICES, ModelLoadError, load_model
+from .quant import QUANTISED_WEIGHTS
 from .parallel import DEFAULT_TIMEOUT, WorkerError, parallel_generate, run_workers
 from .prompts import encode_prompt, has_chat_template
 from .workloads import BUILTIN, load_workload
@@ -141,6 +142,9 @@ def generate_command(
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty)
     launched = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes
     if tensor_parallel:
+        if dtype in QUANTISED_WEIGHTS:
+            raise typer.BadParameter(f"--dtype {dtype} keeps weights quantised in layers of our own, which "
+                                     "transformers cannot split: leave out one of the two", param_hint="--tensor-parallel")
         if launched < 2 or workers > 1:
             raise typer.BadParameter("takes processes started by torchrun (torchrun --nproc-per-node K -m lookahead "
                                      "generate ... --tensor-parallel), without --workers", param_hint="--tensor-parallel")

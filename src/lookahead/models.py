@@ -225,7 +225,7 @@ def load_model(
     torch_dtype = _parse_dtype(dtype)
     if dtype in QUANTISED_WEIGHTS:
         if tp_plan is not None:
-            raise ValueError(f"dtype={dtype!r} cannot be combined with tensor parallelism (tp_plan)")
+            raise ModelLoadError(f"dtype={dtype!r} cannot be combined with tensor parallelism (tp_plan, --tensor-parallel)")
         model, tokenizer = _load(name_or_path, gguf_file, torch_dtype, None)
         return quantise_weights(model, dtype), tokenizer
     return _load(name_or_path, gguf_file, torch_dtype, tp_plan)

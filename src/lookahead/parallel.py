@@ -32,8 +32,9 @@ from transformers import PreTrainedModel
 
 from .config import LookaheadConfig
 from .core.decoder import LookaheadDecoder
+from .core.drafter import node_counts
 from .core.split import split_step
-from .engine import GenerationStats, check_request, eos_ids, kept_tokens
+from .engine import STEP_ROOM, GenerationStats, check_request, eos_ids, kept_tokens
 from .generation import GenerateOutput
 from .hf import HFModelRunner, context_length
 from .runtime.batch import StepInput, after_tokens, causal_step, pack_steps
@@ -86,8 +87,8 @@ def parallel_generate(
 
     start = time.perf_counter()
     runner = HFModelRunner(model, packed_linear=False)
-    largest_step = 1 + (config.window + config.guesses) * config.levels + config.levels  # + tokens to catch up
-    store = runner.new_store(1, prompt.numel() + max_new_tokens + largest_step)
+    # A step feeds at most STEP_ROOM rows (as on the engine), after at most `levels` tokens to catch up.
+    store = runner.new_store(1, prompt.numel() + max_new_tokens + STEP_ROOM + config.levels)
     for begin in range(0, prompt.numel() - 1, PREFILL_CHUNK):  # every prompt token but the last
         chunk = prompt[begin: min(begin + PREFILL_CHUNK, prompt.numel() - 1)]
         runner.forward(store, pack_steps([0], [begin], [causal_step(chunk)]))
@@ -98,7 +99,8 @@ def parallel_generate(
     generated: list[int] = []
     behind: list[int] = []  # committed tokens whose keys and values this rank has not computed
     while True:
-        plan = decoder.plan()
+        proposal = decoder.propose()
+        plan = decoder.plan(proposal, node_counts([decoder.demand(proposal, most=STEP_ROOM)], None)[0])
         share = split_step(plan.layout, plan.tree.parents, workers)[rank]
         rows = share.rows
         step = after_tokens(torch.tensor(behind, dtype=torch.long),
@@ -177,23 +179,28 @@ def run_workers(workers: int, target: Callable[..., object], *args, threads: int
     context = mp.start_processes(_worker, (workers, free_port(), threads, timeout, dict(os.environ), messages, target,
                                            args),
                                  nprocs=workers, join=False, start_method=method)
+    received: list[tuple[str, object]] = []
+
+    def drain() -> None:
+        while not messages.empty():
+            received.append(messages.get())
+
+    # Messages are read while the workers run: a result larger than the pipe's buffer (64 KiB) would
+    # otherwise block rank 0 in its write while we wait for it to exit.
     try:
-        while not context.join():
-            pass
+        while not context.join(timeout=0.05):
+            drain()
     except ProcessException:
-        raise WorkerError(_first_failure(context.processes, messages, workers)) from None
-    return pickle.loads(messages.get()[1])
+        drain()
+        raise WorkerError(_first_failure(context.processes, received, workers)) from None
+    drain()
+    return pickle.loads(next(payload for kind, payload in received if kind == "result"))
 
 
-def _first_failure(processes, messages, workers: int) -> str:
+def _first_failure(processes, received: list[tuple[str, object]], workers: int) -> str:
     """What went wrong first: the earliest exception a worker reported, unless it only says that another
     worker went away; else a worker that exited without a word (killed, os._exit)."""
-    failures = []
-    while not messages.empty():
-        kind, payload = messages.get()
-        if kind == "error":
-            failures.append(payload)  # (when, rank, last line of the traceback)
-    failures.sort()
+    failures = sorted(payload for kind, payload in received if kind == "error")  # (when, rank, last line)
     collateral = ("Connection closed by peer", "Connection reset by peer", "Timed out")
     for _, rank, line in failures:
         if not any(words in line for words in collateral):

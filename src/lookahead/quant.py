@@ -25,6 +25,9 @@ from torch import nn
 
 QUANTISED_WEIGHTS = ("int8", "int4")
 GROUP_SIZE = 32
+# The kernels' shape rules (torch 2.13, CPU): int8 needs the input size a multiple of this (others gave wrong
+# products or crashed), int4 its output size too (it refuses others).
+KERNEL_ALIGNMENT = 16
 _KERNEL_DTYPE = torch.bfloat16
 
 
@@ -33,6 +36,8 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
+        if not int8_fits(linear):
+            raise ValueError(f"int8 needs in_features divisible by {KERNEL_ALIGNMENT}, got {linear.in_features}")
         weight = linear.weight.detach().float()
         scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(_KERNEL_DTYPE)
         codes = torch.round(weight / scale.float()[:, None]).clamp(-128, 127).to(torch.int8)
@@ -54,7 +59,8 @@ class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         if not int4_fits(linear):
-            raise ValueError(f"int4 needs in_features divisible by {GROUP_SIZE}, got {linear.in_features}")
+            raise ValueError(f"int4 needs in_features divisible by {GROUP_SIZE} and out_features by "
+                             f"{KERNEL_ALIGNMENT}, got {linear.in_features} and {linear.out_features}")
         weight = linear.weight.detach().float()
         out_features, in_features = weight.shape
         groups = weight.view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
@@ -82,14 +88,18 @@ def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> to
 
 
 def int4_fits(linear: nn.Linear) -> bool:
-    return linear.in_features % GROUP_SIZE == 0
+    return linear.in_features % GROUP_SIZE == 0 and linear.out_features % KERNEL_ALIGNMENT == 0
+
+
+def int8_fits(linear: nn.Linear) -> bool:
+    return linear.in_features % KERNEL_ALIGNMENT == 0
 
 
 @torch.no_grad()
 def quantise_weights(model: nn.Module, kind: str) -> nn.Module:
     """Replace every `nn.Linear` of a CPU model, in place, by its `kind` ("int8" or "int4") counterpart;
-    with int4, the output layer and any layer whose input size is not a multiple of 32 become int8.
-    Returns the model."""
+    with int4, the output layer and any layer of a shape the int4 kernel does not take become int8; a layer
+    whose input size is not a multiple of 16 keeps its float weights. Returns the model."""
     if kind not in QUANTISED_WEIGHTS:
         raise ValueError(f"quantised weights must be one of {QUANTISED_WEIGHTS}, got {kind!r}")
     if any(p.device.type != "cpu" for p in model.parameters()):
@@ -99,8 +109,12 @@ def quantise_weights(model: nn.Module, kind: str) -> nn.Module:
     if not targets:
         raise ValueError(f"{type(model).__name__} has no nn.Linear layers to quantise")
     for name, linear in targets:
-        use_int4 = kind == "int4" and linear is not output and int4_fits(linear)
-        replacement = Int4Linear(linear) if use_int4 else Int8Linear(linear)
+        if kind == "int4" and linear is not output and int4_fits(linear):
+            replacement = Int4Linear(linear)
+        elif int8_fits(linear):
+            replacement = Int8Linear(linear)
+        else:
+            continue  # a shape neither kernel takes: the layer keeps its float weights
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
     if hasattr(model, "config"):  # read by `weights_of`; part of the config, so of the cost curve's cache key
