@@ -524,8 +524,8 @@ def bench_serve_command(
 
     if url is not None:
         _refuse_given(ctx, ["model", "gguf_file", "dtype", "threads", "max_batch", "compile", "cpp_wrapper"],
-                      "chooses how a server runs: with --url, the server already running decides (start it with "
-                      "`lookahead serve ...`)")
+                      "sets up the server started here; with --url the running server decides: start it so, e.g. "
+                      "`lookahead serve --compile`")
     else:
         _refuse_given(ctx, ["served_model", "api_key"], "only applies with --url (the server started here "
                       "serves --model, without a key)")
