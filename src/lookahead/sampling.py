@@ -131,7 +131,6 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
                              f"decode with; set model.generation_config.{name} = {plain!r} to decode without it")
 
 
-
 def _config_processors(config: GenerationConfig, repetition_penalty: float, prompt_length: int,
                        max_new_tokens: int, eos: list[int], device: torch.device) -> LogitsProcessorList:
     """The processors `generate` applies for the model's generation config, before the user's (transformers

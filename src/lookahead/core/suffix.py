@@ -150,7 +150,6 @@ class Corpus:
         tokens = _token_ids(tokens)
         document = tuple(tokens[-self.max_tokens + 1 :]) if len(tokens) >= self.max_tokens else tuple(tokens)
         self._documents.append(document)
-        self.largest_token = max(self.largest_token, max(document, default=-1))
         if len(self.automaton) + len(document) + 1 > self.max_tokens:
             while sum(len(d) + 1 for d in self._documents) > self.max_tokens:
                 self._documents.popleft()
@@ -177,13 +176,13 @@ class Corpus:
     def _append(self, document: tuple[int, ...]) -> None:
         self.automaton.append(-1 - len(self.automaton))  # a separator no other position shares
         self.automaton.extend(document)
+        self.largest_token = max(self.largest_token, max(document, default=-1))
 
     def _rebuild(self) -> None:
         self.automaton = SuffixAutomaton()
         self.largest_token = -1
         for document in self._documents:
             self._append(document)
-            self.largest_token = max(self.largest_token, max(document, default=-1))
 
 
 def _token_ids(tokens: object) -> list[int]:
