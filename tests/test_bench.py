@@ -42,9 +42,13 @@ def check_results(folder, methods: set[str], prompts: int, turns: int = 1) -> di
 
 def test_bench_on_a_tiny_model(tiny_dir, tmp_path):
     result = run("bench", "--model", tiny_dir, "--dataset", "mt_bench", "--limit", "2", "--max-new-tokens", "8",
-                 "--config", "2,3,2", "--config", "0,4,3", "--out", str(tmp_path), "--profile")
+                 "--config", "2,3,2", "--config", "0,4,3", "--config", "auto:0", "--out", str(tmp_path), "--profile")
     assert result.returncode == 0, result.stderr
-    results = check_results(tmp_path, {"greedy", "pld", "plain", "lookahead-W2N3G2", "lookahead-W0N4G3"}, 2)
+    results = check_results(tmp_path, {"greedy", "pld", "plain", "lookahead-W2N3G2", "lookahead-W0N4G3",
+                                       "lookahead-W0N4G5S32R4-budget"}, 2)
+    assert "drafts lookahead-W0N4G5S32R4-budget: fed " in result.stdout  # auto:0: the automatic config, no window
+    assert "window 0 columns" in next(line for line in result.stdout.splitlines()
+                                      if line.startswith("drafts lookahead-W0N4G5S32R4-budget"))
     assert {r["category"] for r in results["runs"]} == {"writing", "roleplay"}  # the limit spans categories
     assert "profile lookahead-W2N3G2:" in result.stdout and "| lookahead-W0N4G3 | all |" in result.stdout
     assert "Every output was token-identical" in result.stdout
@@ -100,6 +104,8 @@ def test_bench_corpus_on_a_tiny_model(tiny_dir):
     [
         (["--dataset", "nope"], "dataset must be one of"),
         (["--config", "1,2"], "expected W,N,G"),
+        (["--config", "auto:x"], "expected auto:W with W an integer >= 0"),
+        (["--config", "auto", "--config", "auto:5"], "each method once: lookahead-auto given twice"),
         (["--config", "1,1,1"], "ngram must be an integer >= 2"),
         (["--baselines", "greedy,beam"], "unknown ['beam']"),
         (["--dataset", "mt_bench", "--category", "poetry"], "'poetry' is not in mt_bench"),

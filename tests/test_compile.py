@@ -328,49 +328,55 @@ def test_a_packer_is_offered_only_where_its_copy_fits_in_half_the_free_memory(ll
         HFModelRunner(llama_tiny, packed_linear=True)
 
 
-@pytest.mark.parametrize("compiled, expected", [(4.0, [1.0, 1.25, 1.75, 3.5]), (None, [1.0, 1.1, 1.3, 2.0])],
-                         ids=["compiled", "compile-failed"])
-def test_a_compiled_runner_prices_steps_by_the_eager_curve_less_what_compiling_saves(
-        llama_tiny, monkeypatch, costs, compiled, expected):
-    """Measured: the eager curve (10, 11, 13, 20 ms here) and one-row steps eager and compiled in turn
-    (10 and 4 ms: compiling saves 6 ms a step at every height); where the step fails to compile, the eager
-    curve."""
-    monkeypatch.setattr(costs, "_compiled_step", lambda runner, batch: {"eager": compiled and 10.0, "compiled": compiled})
+def test_a_compiled_runner_prices_steps_by_its_compiled_steps_own_times(llama_tiny, monkeypatch, costs):
+    """Measured: the eager curve (10, 11, 13, 20 ms here) and, for a compiled runner, its compiled steps (4, 5,
+    7, 14 ms): the budget prices compiled steps by the latter, at the heights they are padded to; an eager
+    runner of the same model keeps the eager curve."""
+    monkeypatch.setattr(costs, "_compiled_seconds", lambda runner, sizes, batch:
+                        {"sizes": list(sizes), "seconds": [4.0, 5.0, 7.0, 14.0], "one_row": 10.0})
     curve = costs.cost_curve(HFModelRunner(llama_tiny, compile=True))
-    assert curve.relative == pytest.approx(expected) and curve.padded_to == list(COMPILED_HEIGHTS)
+    assert curve.relative == pytest.approx([1.0, 1.25, 1.75, 3.5]) and curve.padded_to == list(COMPILED_HEIGHTS)
+    assert curve(3) == curve(4) == pytest.approx(1.75)
     assert costs.cost_curve(HFModelRunner(llama_tiny)).relative == pytest.approx([1.0, 1.1, 1.3, 2.0])
 
 
-def test_the_saving_is_taken_at_the_speed_the_machine_had_when_it_was_measured(
-        llama_tiny, monkeypatch, costs):
-    """The eager curve was measured at one time (10, 11, 13, 20 ms), the one-row steps later on a machine
-    twice as slow (eager 20, compiled 8 ms: compiling saves 12 ms there): the curve is the eager one at that
-    speed (20, 22, 26, 40) less 12 ms. Without the scaling the saving (20 - 8) would exceed the eager
-    step itself and the curve would come out flat: the budget would then overfeed compiled steps."""
-    monkeypatch.setattr(costs, "_compiled_step", lambda runner, batch: {"eager": 20.0, "compiled": 8.0})
-    curve = costs.cost_curve(HFModelRunner(llama_tiny, compile=True))
-    assert curve.relative == pytest.approx([1.0, 10 / 8, 14 / 8, 28 / 8])
-
-
-def test_each_compile_mode_has_its_own_measured_saving(llama_tiny, monkeypatch, costs):
-    """A step compiled with the C++ wrapper is faster than a default compiled one: its saving is measured
-    and cached apart."""
-    monkeypatch.setattr(costs, "_compiled_step", lambda runner, batch: {
-        "eager": 10.0, "compiled": {"default": 4.0, "cpp-wrapper": 2.0}[runner.compile_mode]})
+def test_each_compile_mode_has_its_own_measured_curve(llama_tiny, monkeypatch, costs):
+    """A step compiled with the C++ wrapper is faster than a default compiled one: its curve is measured and
+    cached apart."""
+    times = {"default": [4.0, 5.0, 7.0, 14.0], "cpp-wrapper": [2.0, 3.0, 5.0, 12.0]}
+    monkeypatch.setattr(costs, "_compiled_seconds", lambda runner, sizes, batch:
+                        {"sizes": list(sizes), "seconds": times[runner.compile_mode], "one_row": 10.0})
     assert costs.cost_curve(HFModelRunner(llama_tiny, compile=True)).relative == pytest.approx([1.0, 1.25, 1.75, 3.5])
     faster = costs.cost_curve(HFModelRunner(llama_tiny, compile="cpp-wrapper"))
     assert faster.relative == pytest.approx([1.0, 1.5, 2.5, 6.0])
 
 
-@pytest.mark.slow  # compiles a one-row step
-def test_the_one_row_step_is_timed_eager_and_through_the_compiled_forward(llama_tiny, monkeypatch, tmp_path):
+def test_a_stored_compiled_curve_is_measured_again_where_a_row_now_runs_much_faster(
+        llama_tiny, monkeypatch, costs, tmp_path):
+    """Like the eager curves, a compiled curve keeps the eager one-row step timed in its rounds and is measured
+    again where a process finds that step much faster (12 ms now against 20 stored)."""
+    runner = HFModelRunner(llama_tiny, compile=True, packed_linear=False)
+    monkeypatch.setattr(costs, "timed_seconds", lambda run, device: 12.0)  # the one-row probe
+    monkeypatch.setattr(costs, "_compiled_seconds", lambda runner, sizes, batch:
+                        {"sizes": list(sizes), "seconds": [4.0, 5.0, 7.0, 14.0], "one_row": 11.0})
+    path = tmp_path / "costs" / f"{costs._curve_key(runner)}-None-b1-compiled.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"sizes": [1, 2, 4, 8], "seconds": [10.0, 30.0, 30.0, 30.0], "one_row": 20.0}))
+    assert costs.cost_curve(runner).relative == pytest.approx([1.0, 1.25, 1.75, 3.5])
+    assert json.loads(path.read_text())["one_row"] == 11.0
+
+
+@pytest.mark.slow  # compiles the steps of a tiny model
+def test_the_compiled_curve_is_timed_through_the_compiled_forward(llama_tiny, monkeypatch, tmp_path):
+    """The compiled steps are those decoding runs (each height's first call recorded as its compilation), the
+    one-row probe eager, in the same rounds; the runner is compiled again afterwards."""
     import lookahead.costs as costs
 
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
     runner = HFModelRunner(llama_tiny, compile=True)
-    step = costs._compiled_step(runner, 1, rounds=2)
-    assert step["eager"] > 0 and step["compiled"] > 0 and list(runner.compile_seconds) == [1]
-    assert runner._compiled is not None  # back to compiled after the eager rounds
+    measured = costs._compiled_seconds(runner, (1, 2, 4), 2)
+    assert measured["sizes"] == [1, 2, 4] and all(t > 0 for t in measured["seconds"]) and measured["one_row"] > 0
+    assert sorted(runner.compile_seconds) == [1, 2, 4] and runner._compiled is not None
 
 
 @pytest.mark.slow  # compiles the batch shapes of a tiny model

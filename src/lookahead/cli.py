@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -236,11 +237,18 @@ OutOption = Annotated[Optional[Path], typer.Option("--out", help="Folder for res
 
 
 def _parse_config(text: str) -> LookaheadConfig:
-    if text.strip() == "auto":
-        return AUTO_CONFIG
+    name, colon, width = text.strip().partition(":")
+    if name == "auto":
+        if not colon:
+            return AUTO_CONFIG
+        if not width.strip().isdigit():
+            raise typer.BadParameter(f"expected auto:W with W an integer >= 0 (the most window columns), got "
+                                     f"{text!r}", param_hint="--config")
+        return dataclasses.replace(AUTO_CONFIG, window=int(width))  # what the window adds, measured against auto
     parts = text.split(",")
     if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
-        raise typer.BadParameter(f"expected W,N,G (three integers) or auto, got {text!r}", param_hint="--config")
+        raise typer.BadParameter(f"expected W,N,G (three integers), auto or auto:W, got {text!r}",
+                                 param_hint="--config")
     window, ngram, guesses = (int(p) for p in parts)
     try:
         return LookaheadConfig(window=window, ngram=ngram, guesses=guesses)
@@ -317,7 +325,7 @@ def bench_command(
     turns: Annotated[int, typer.Option(min=1, max=2, help="User turns of multi-turn data.")] = 1,
     raw: Annotated[bool, typer.Option("--raw", help="No chat template (HumanEval: raw completion).")] = False,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
-    config: Annotated[Optional[list[str]], typer.Option("--config", help="Lookahead W,N,G or auto; repeat for several (default: auto and 5,4,5).")] = None,
+    config: Annotated[Optional[list[str]], typer.Option("--config", help="Lookahead W,N,G, auto, or auto:W (the automatic config with at most W window columns; auto:0 without the window); repeat for several (default: auto and 5,4,5).")] = None,
     baselines: Annotated[str, typer.Option(help="Comma list from greedy, pld, plain (empty: none).")] = "greedy,pld,plain",
     model: ModelOption = None,
     gguf_file: GgufOption = None,
