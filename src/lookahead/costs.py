@@ -169,7 +169,7 @@ def _curve_key(runner: HFModelRunner) -> str:
 
 def _path_key(runner: HFModelRunner) -> str:
     """The curve key and the linear path `cost_curve` set on the runner: what names the curves measured on
-    that path (batch curves, compiled savings) and the probe taken on it."""
+    that path (batch curves, compiled curves) and the probe taken on it."""
     return f"{_curve_key(runner)}-{runner.packer and f'{runner.packer}{runner.packed_from}'}"
 
 

@@ -333,8 +333,8 @@ class HFModelRunner:
 
     @contextmanager
     def eager(self) -> Iterator[None]:
-        """Run every forward eagerly inside (the cost curve is measured so: compiling every step size up
-        front would cost minutes on a CPU)."""
+        """Run every forward eagerly inside (the eager curves, which also choose the linear path, and the
+        eager one-row probe are measured so)."""
         compiled, self._compiled = self._compiled, None
         try:
             yield
