@@ -309,10 +309,9 @@ def _batch_seconds(runner: HFModelRunner, sizes: Sequence[int], batch: int) -> d
 def _curve(runner: HFModelRunner, sizes: Sequence[int], eager: Sequence[float], batch: int) -> CostCurve:
     """The curve of the path the runner takes: the eager one as measured, or for a compiled runner its own,
     timed through the compiled steps decoding runs (`_compiled_seconds`). Compiled steps are not the eager
-    ones less a fixed saving: on a 2-core Xeon with AMX, in bfloat16, compiling saved 14 ms of a one-row
-    step of one sequence (45 -> 31.6 ms) while 16 sequences of 4 rows each cost 2.4x their one-row step
-    compiled against 1.65x derived so, and a budget priced by the derived curve fed those rows and served
-    16 clients at 0.73x the speed of lookahead off."""
+    ones less a fixed saving (the model this replaced): on a 2-core Xeon with AMX, in bfloat16, compiling
+    saved 14 ms of a one-row step (45.4 -> 31.6 ms) and little of taller ones, so a step of 16 rows cost
+    1.12x a one-row step compiled where the eager curve less the saving said 1.29x."""
     if not runner.compile:
         return CostCurve(sizes, eager)
     mode = "" if runner.compile_mode == "default" else f"-{runner.compile_mode}"
@@ -328,13 +327,13 @@ def _compiled_seconds(runner: HFModelRunner, sizes: Sequence[int], batch: int) -
     timed in the same rounds: what a later process compares its `_one_row_now` with. The graphs compiled
     here are those an engine compiles anyway (dynamo marks the sizes dynamic: one graph for one row, one for
     more, per number of sequences above one)."""
-    one_row = _steps_over_context(runner, MEASURED_CONTEXT, (1,), 1)[1]
-
-    def eager_one_row() -> torch.Tensor:
-        with runner.eager():
-            return one_row()
-
     with runner.untimed():
+        one_row = _steps_over_context(runner, MEASURED_CONTEXT, (1,), 1)[1]
+
+        def eager_one_row() -> torch.Tensor:
+            with runner.eager():
+                return one_row()
+
         runs: dict = dict(_steps_over_context(runner, MEASURED_CONTEXT, sizes, batch))
         runs["one_row"] = eager_one_row
         fastest = _fastest_rounds(runs, 5, runner.device,
