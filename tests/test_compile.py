@@ -244,7 +244,7 @@ def test_stored_batch_curves_are_checked_against_one_probe_per_process(llama_tin
     runner = HFModelRunner(llama_tiny, packed_linear=False)
     timed = []
     monkeypatch.setattr(costs, "timed_seconds", lambda run, device: timed.append(run) or 12.0)
-    monkeypatch.setattr(costs, "_batch_seconds", lambda runner, sizes, batch:
+    monkeypatch.setattr(costs, "_step_seconds", lambda runner, sizes, batch:
                         {"sizes": [1, 2], "seconds": [20.0, 30.0], "one_row": 10.0})
 
     def stored(batch: int, one_row: float) -> Path:
@@ -332,7 +332,7 @@ def test_a_compiled_runner_prices_steps_by_its_compiled_steps_own_times(llama_ti
     """Measured: the eager curve (10, 11, 13, 20 ms here) and, for a compiled runner, its compiled steps (4, 5,
     7, 14 ms): the budget prices compiled steps by the latter, at the heights they are padded to; an eager
     runner of the same model keeps the eager curve."""
-    monkeypatch.setattr(costs, "_compiled_seconds", lambda runner, sizes, batch:
+    monkeypatch.setattr(costs, "_step_seconds", lambda runner, sizes, batch:
                         {"sizes": list(sizes), "seconds": [4.0, 5.0, 7.0, 14.0], "one_row": 10.0})
     curve = costs.cost_curve(HFModelRunner(llama_tiny, compile=True))
     assert curve.relative == pytest.approx([1.0, 1.25, 1.75, 3.5]) and curve.padded_to == list(COMPILED_HEIGHTS)
@@ -344,7 +344,7 @@ def test_each_compile_mode_has_its_own_measured_curve(llama_tiny, monkeypatch, c
     """A step compiled with the C++ wrapper is faster than a default compiled one: its curve is measured and
     cached apart."""
     times = {"default": [4.0, 5.0, 7.0, 14.0], "cpp-wrapper": [2.0, 3.0, 5.0, 12.0]}
-    monkeypatch.setattr(costs, "_compiled_seconds", lambda runner, sizes, batch:
+    monkeypatch.setattr(costs, "_step_seconds", lambda runner, sizes, batch:
                         {"sizes": list(sizes), "seconds": times[runner.compile_mode], "one_row": 10.0})
     assert costs.cost_curve(HFModelRunner(llama_tiny, compile=True)).relative == pytest.approx([1.0, 1.25, 1.75, 3.5])
     faster = costs.cost_curve(HFModelRunner(llama_tiny, compile="cpp-wrapper"))
@@ -357,7 +357,7 @@ def test_a_stored_compiled_curve_is_measured_again_where_a_row_now_runs_much_fas
     again where a process finds that step much faster (12 ms now against 20 stored)."""
     runner = HFModelRunner(llama_tiny, compile=True, packed_linear=False)
     monkeypatch.setattr(costs, "timed_seconds", lambda run, device: 12.0)  # the one-row probe
-    monkeypatch.setattr(costs, "_compiled_seconds", lambda runner, sizes, batch:
+    monkeypatch.setattr(costs, "_step_seconds", lambda runner, sizes, batch:
                         {"sizes": list(sizes), "seconds": [4.0, 5.0, 7.0, 14.0], "one_row": 11.0})
     path = tmp_path / "costs" / f"{costs._curve_key(runner)}-None-b1-compiled.json"
     path.parent.mkdir()
@@ -374,7 +374,7 @@ def test_the_compiled_curve_is_timed_through_the_compiled_forward(llama_tiny, mo
 
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
     runner = HFModelRunner(llama_tiny, compile=True)
-    measured = costs._compiled_seconds(runner, (1, 2, 4), 2)
+    measured = costs._step_seconds(runner, (1, 2, 4), 2)
     assert measured["sizes"] == [1, 2, 4] and all(t > 0 for t in measured["seconds"]) and measured["one_row"] > 0
     assert sorted(runner.compile_seconds) == [1, 2, 4] and runner._compiled is not None
 

@@ -278,7 +278,7 @@ def cost_curve(runner: HFModelRunner) -> CostCurve:
     seconds = _chosen_path(runner, measured)
     _ONE_ROW_NOW.setdefault(_path_key(runner), seconds[0])  # where measured just now
     runner.drop_other_packs()
-    return _curve(runner, measured["sizes"], seconds, 1)
+    return _path_curve(runner, measured["sizes"], 1) if runner.compile else CostCurve(measured["sizes"], seconds)
 
 
 def batch_cost_curve(runner: HFModelRunner, batch: int) -> CostCurve:
@@ -290,43 +290,30 @@ def batch_cost_curve(runner: HFModelRunner, batch: int) -> CostCurve:
     if batch == 1:
         return curve
     sizes = [h for h in CURVE_SIZES if batch * h <= max(128, 2 * batch)]
-    measured = _stored(cache_root() / "costs" / f"{_path_key(runner)}-b{batch}.json",
-                       lambda: _batch_seconds(runner, sizes, batch), runner,
-                       lambda measured: _one_row_now(runner) < REMEASURE_BELOW * measured["one_row"])
-    return _curve(runner, measured["sizes"], measured["seconds"], batch)
+    return _path_curve(runner, sizes, batch)
 
 
-def _batch_seconds(runner: HFModelRunner, sizes: Sequence[int], batch: int) -> dict:
-    """T(batch, h) for h in `sizes` on the runner's path, and ("one_row") a one-row step of one sequence timed
-    in the same rounds: what a later process compares its `_one_row_now` with."""
-    with runner.eager(), runner.untimed():
-        runs = {(batch, h): run for h, run in _steps_over_context(runner, MEASURED_CONTEXT, sizes, batch).items()}
-        runs[1, 1] = _steps_over_context(runner, MEASURED_CONTEXT, (1,), 1)[1]
-        fastest = _fastest_rounds(runs, 5, runner.device, lambda key: _samples_by_height(key[0] * key[1]))
-    return {"sizes": list(sizes), "seconds": [fastest[batch, h] for h in sizes], "one_row": fastest[1, 1]}
-
-
-def _curve(runner: HFModelRunner, sizes: Sequence[int], eager: Sequence[float], batch: int) -> CostCurve:
-    """The curve of the path the runner takes: the eager one as measured, or for a compiled runner its own,
-    timed through the compiled steps decoding runs (`_compiled_seconds`). Compiled steps are not the eager
+def _path_curve(runner: HFModelRunner, sizes: Sequence[int], batch: int) -> CostCurve:
+    """T(batch, h) for h in `sizes` through the steps decoding runs (`_step_seconds`): eager, or a compiled
+    runner's compiled steps, priced at the heights they are padded to. Measured once, stored, and measured
+    again where a process finds the one-row step much faster than it was. Compiled steps are not the eager
     ones less a fixed saving (the model this replaced): on a 2-core Xeon with AMX, in bfloat16, compiling
     saved 14 ms of a one-row step (45.4 -> 31.6 ms) and little of taller ones, so a step of 16 rows cost
     1.12x a one-row step compiled where the eager curve less the saving said 1.29x."""
-    if not runner.compile:
-        return CostCurve(sizes, eager)
-    mode = "" if runner.compile_mode == "default" else f"-{runner.compile_mode}"
-    measured = _stored(cache_root() / "costs" / f"{_path_key(runner)}-b{batch}-compiled{mode}.json",
-                       lambda: _compiled_seconds(runner, sizes, batch), runner,
+    compiled = "" if not runner.compile else "-compiled" + (
+        "" if runner.compile_mode == "default" else f"-{runner.compile_mode}")
+    measured = _stored(cache_root() / "costs" / f"{_path_key(runner)}-b{batch}{compiled}.json",
+                       lambda: _step_seconds(runner, sizes, batch), runner,
                        lambda measured: _one_row_now(runner) < REMEASURE_BELOW * measured["one_row"])
-    return CostCurve(measured["sizes"], measured["seconds"], COMPILED_HEIGHTS)
+    return CostCurve(measured["sizes"], measured["seconds"], COMPILED_HEIGHTS if runner.compile else ())
 
 
-def _compiled_seconds(runner: HFModelRunner, sizes: Sequence[int], batch: int) -> dict:
-    """T(batch, h) for h in `sizes` through the runner's compiled steps (a height that fails to compile runs,
-    and is timed, eagerly, as decoding would run it), and ("one_row") an eager one-row step of one sequence
-    timed in the same rounds: what a later process compares its `_one_row_now` with. The graphs compiled
-    here are those an engine compiles anyway (dynamo marks the sizes dynamic: one graph for one row, one for
-    more, per number of sequences above one)."""
+def _step_seconds(runner: HFModelRunner, sizes: Sequence[int], batch: int) -> dict:
+    """T(batch, h) for h in `sizes` through the steps the runner runs now (compiled ones where it compiles; a
+    height that fails to compile runs, and is timed, eagerly, as decoding would run it), and ("one_row") an
+    eager one-row step of one sequence timed in the same rounds: what a later process compares its
+    `_one_row_now` with. The graphs a compiled runner compiles here are those an engine compiles anyway
+    (dynamo marks the sizes dynamic: one graph for one row, one for more, per number of sequences above one)."""
     with runner.untimed():
         one_row = _steps_over_context(runner, MEASURED_CONTEXT, (1,), 1)[1]
 

@@ -327,10 +327,6 @@ class HFModelRunner:
         """Whether decoding steps run compiled (in any mode)."""
         return self.compile_mode is not None
 
-    def runs_compiled(self, height: int) -> bool:
-        """Whether steps padded to `height` rows run compiled (compile on, and that height compiled or not tried)."""
-        return self.compile and height not in self._eager_heights
-
     @contextmanager
     def eager(self) -> Iterator[None]:
         """Run every forward eagerly inside (the eager curves, which also choose the linear path, and the
