@@ -18,6 +18,7 @@ from lookahead.costs import cost_curve
 from lookahead import hf
 from lookahead.hf import HFModelRunner, PackedLinears
 from lookahead.runtime.batch import StepInput, causal_step, pack_steps
+from lookahead.runtime.kv import KVStore
 
 CONFIGS = [
     LookaheadConfig(),
@@ -128,6 +129,27 @@ def test_keep_leaves_exactly_the_committed_tokens_in_each_slot(llama_tiny):
     for ours, reference in zip(store.key_buffers + store.value_buffers, fresh.key_buffers + fresh.value_buffers):
         for slot, length in enumerate(store.lengths):
             torch.testing.assert_close(ours[slot, :, :length], reference[slot, :, :length], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", [[0, 1], [2, 0]])
+def test_store_writes_each_sequence_at_its_own_length(dtype, slots):
+    """A layer's new keys and values land in their slots after each slot's own length (consecutive slots or
+    not, in either dtype), nothing else in the buffer changes, and the layer reads back each slot's prefix."""
+    store = KVStore(num_layers=1, slots=3, capacity=16)
+    store.lengths = [5, 2, 9]
+    rows, heads, head_dim = 3, 2, 4
+    store.begin(slots, rows, attend=12, device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(len(slots), heads, rows, head_dim, generator=generator).to(dtype) for _ in range(2))
+    read_keys, read_values = store.update(keys, values, 0)
+    for buffer, new, read in ((store.key_buffers[0], keys, read_keys), (store.value_buffers[0], values, read_values)):
+        expected = torch.zeros(3, heads, 16, head_dim, dtype=dtype)
+        for b, slot in enumerate(slots):
+            start = store.lengths[slot]
+            expected[slot, :, start : start + rows] = new[b]
+        assert torch.equal(buffer, expected)
+        assert torch.equal(read, expected[slots][:, :, :12])
 
 
 def test_phase_seconds_account_for_the_whole_call(llama_tiny):
