@@ -31,6 +31,7 @@ from transformers import (
 
 from lookahead import cli, quant
 from lookahead.baseline import hf_generate
+from lookahead.core.prices import StepPrices
 from lookahead.models import cache_root, load_model
 
 TINY_VOCAB = 128
@@ -109,6 +110,14 @@ def _models_loaded_once():
         patch.setattr(cli, "load_model", lambda name_or_path=None, gguf_file=None, dtype="float32":
                       _load_once(name_or_path, gguf_file, dtype))
         yield
+
+
+@pytest.fixture
+def drafts_always(monkeypatch):
+    """Steps of the automatic budget always carry drafts. On a tiny model, proposing drafts costs more than
+    the forward passes they save, and the engine (`StepPrices.drafts`) rightly stops proposing them; tests of
+    what drafts do need them."""
+    monkeypatch.setattr(StepPrices, "drafts", lambda self, batch: True)
 
 
 @pytest.fixture(scope="session")

@@ -65,7 +65,7 @@ def test_identical_to_greedy(tiny_model, config):
         assert max(out.stats.accepted_per_step) <= config.ngram  # a step accepts at most N-1 guessed + 1
 
 
-def test_lookahead_accepts_guesses_on_some_family():
+def test_lookahead_accepts_guesses_on_some_family(drafts_always):
     """Exactness alone cannot tell a working guess path from one that never matches: make sure that,
     across families and prompts, verified guesses are accepted (more than one token per step)."""
     accepted = 0

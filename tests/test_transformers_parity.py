@@ -97,7 +97,7 @@ def test_a_batch_without_attention_mask_is_padded_where_its_pad_tokens_are():
 
 
 @pytest.mark.parametrize("config", [None, LookaheadConfig(window=5, ngram=4, guesses=5)], ids=["auto", "W5N4G5"])
-def test_steps_stay_inside_a_context_of_learned_positions(config):
+def test_steps_stay_inside_a_context_of_learned_positions(config, drafts_always):
     """GPT-2 has an embedding for positions below n_positions only: no row of a step (window, drafts,
     padding) and no cost measurement may reach past it, up to a request that ends at the last position."""
     torch.manual_seed(0)

@@ -20,9 +20,10 @@ import torch.distributed
 from transformers import LogitsProcessor, PreTrainedModel
 
 from .config import AUTO_CONFIG, LookaheadConfig
-from .core.decoder import LookaheadDecoder, StepPlan
+from .core.decoder import NO_PROPOSAL, LookaheadDecoder, StepPlan
 from .core.drafter import AcceptanceStats, node_counts
 from .core.drafts import Proposer
+from .core.prices import StepPrices
 from .core.suffix import Corpus
 from .costs import CostCurve, batch_cost_curve
 from .hf import HFModelRunner, available_memory, check_model, context_length, is_sharded, vocabulary_size
@@ -45,6 +46,7 @@ class GenerationStats:
     accepted_per_step: list[int] = field(default_factory=list, repr=False)
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted guess tokens per draft source
     window: int = 0  # columns of the lookahead window the step fed (the budget's choice under `budget`)
+    undrafted_steps: int = 0  # steps the automatic budget ran without drafts, where they did not pay
     compile_seconds: float = 0.0  # compile=True: the first calls of each step height, which compiled it
     # Where the time went: prefill; per step, plan (drafts, budget, layout, packing), inputs (mask, moving
     # inputs), forward (the model), verify (verification, window and pool update), commit (KV store);
@@ -71,6 +73,7 @@ class GenerationStats:
             "tokens_fed": self.tokens_fed,
             "accepted_by_source": dict(self.accepted_by_source),
             "window": self.window,
+            "undrafted_steps": self.undrafted_steps,
             "compile_seconds": self.compile_seconds,
             "phase_seconds": dict(self.phase_seconds),
         }
@@ -167,6 +170,9 @@ class Engine:
         # sized from the start by what the model accepted before (greedy outputs and seeded samples do
         # not depend on it).
         self.acceptance = AcceptanceStats()
+        # The curves corrected by this engine's own step times, overheads included, and whether drafts pay at
+        # all. Not under tensor parallelism: every process must plan the same steps, and each times its own.
+        self.prices = None if is_sharded(model) else StepPrices(self._cost)
         self._laps = _Laps(self.stats.phase_seconds)
         self._waiting: deque[_Request] = deque()
         self._slots: list[_Request | None] = [None] * max_batch
@@ -233,7 +239,8 @@ class Engine:
         decoding = [r for r in self._slots if r is not None and r.decoding]
         if not decoding:
             return []
-        plans = self._plans(decoding)
+        started, compiled = time.perf_counter(), len(self.runner.compile_seconds)
+        plans, drafted, expected = self._plans(decoding)
         batch = pack_steps([r.slot for r in decoding], [self.store.lengths[r.slot] for r in decoding],
                            [StepInput(p.tokens, p.layout.offsets, p.layout.allowed, p.layout.logit_rows)
                             for p in plans])
@@ -241,9 +248,9 @@ class Engine:
         before = self.runner.forward_seconds
         logits = self.runner.forward(self.store, batch)
         self._laps("inputs")
-        self.stats.phase_seconds["forward"] = self.stats.phase_seconds.get("forward", 0.0) + (
-            self.runner.forward_seconds - before)
-        self.stats.phase_seconds["inputs"] -= self.runner.forward_seconds - before  # the lap ran the forward
+        forward = self.runner.forward_seconds - before
+        self.stats.phase_seconds["forward"] = self.stats.phase_seconds.get("forward", 0.0) + forward
+        self.stats.phase_seconds["inputs"] -= forward  # the lap ran the forward
         self.stats.steps += 1
         self.stats.tokens_fed += batch.tokens.numel()
         outputs, kept, failed = [], [], {}
@@ -263,6 +270,9 @@ class Engine:
             if not finished:
                 kept.append((request.slot, result.kept_rows))
         self._laps("verify")
+        if self.prices is not None and len(self.runner.compile_seconds) == compiled:  # a compiling step says nothing
+            self.prices.record(len(decoding), batch.height, forward, time.perf_counter() - started - forward,
+                               drafted, expected)
         for slot, rows in kept:
             self.store.keep(slot, rows)
         self._laps("commit")
@@ -280,11 +290,18 @@ class Engine:
         self.stats.compile_seconds = sum(self.runner.compile_seconds.values())
         return reports
 
-    def _plans(self, decoding: list[_Request]) -> list[StepPlan]:
-        """Each request's step, sized together: the rows go where they pay for the batch as a whole."""
-        cost = self._cost(len(decoding))
-        proposals = [r.decoder.propose() for r in decoding]
-        windows = [r.decoder.window_pays(cost) and r.decoder.window_fits() for r in decoding]
+    def _plans(self, decoding: list[_Request]) -> tuple[list[StepPlan], bool, float | None]:
+        """Each request's step, sized together: the rows go where they pay for the batch as a whole. Also
+        whether the step carries drafts, and the tokens the budget expects of it (None: no request has the
+        budget). Where drafts do not pay at this batch size (`StepPrices.drafts`), budgeted requests feed
+        their last token alone, without proposing anything."""
+        budgeted = [r.decoder.cost is not None for r in decoding]
+        prices = self.prices if self.prices is not None and any(budgeted) else None
+        cost = prices.cost(len(decoding)) if prices is not None else self._cost(len(decoding))
+        drafts = prices is None or prices.drafts(len(decoding))
+        drafting = [drafts or not b for b in budgeted]
+        proposals = [r.decoder.propose() if d else NO_PROPOSAL for r, d in zip(decoding, drafting)]
+        windows = [d and r.decoder.window_pays(cost) and r.decoder.window_fits() for r, d in zip(decoding, drafting)]
         demands = []
         for request, proposal, window in zip(decoding, proposals, windows):
             left = request.params.max_new_tokens - len(request.generated)
@@ -292,7 +309,13 @@ class Engine:
             most = min(request.decoder.base_rows(window) + left - 1, STEP_ROOM)
             demands.append(request.decoder.demand(proposal, window, most))
         counts = node_counts(demands, cost)
-        return [r.decoder.plan(p, n, w) for r, p, n, w in zip(decoding, proposals, counts, windows)]
+        if not drafts:
+            self.stats.undrafted_steps += 1
+            for request, d in zip(decoding, drafting):
+                request.stats.undrafted_steps += not d
+        expected = (sum(1.0 + sum(d.gains[:n]) for d, n in zip(demands, counts)) if prices is not None else None)
+        return ([r.decoder.plan(p, n, w) for r, p, n, w in zip(decoding, proposals, counts, windows)],
+                any(drafting), expected)
 
     def _cost(self, batch: int) -> CostCurve:
         """The relative cost of a step of `batch` sequences by its height: the measured curve of the largest

@@ -47,6 +47,10 @@ class Proposal:
     nodes: RankedNodes  # their merged nodes, likeliest first
 
 
+# A step without drafts: the last committed token alone (the window waits).
+NO_PROPOSAL = Proposal([], RankedNodes([], [], []))
+
+
 @dataclass(frozen=True)
 class StepResult:
     tokens: list[int]  # committed this step, in order
