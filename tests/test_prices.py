@@ -36,11 +36,15 @@ def test_rows_and_drafting_cost_what_the_steps_took():
     prices.record(4, 1, 0.010, 0.004 * 0.5, drafted=False)  # 0.5 ms a sequence outside a plain step
     prices.record(4, 5, 0.018, 0.004 * 2.0, drafted=True)  # 2 ms a sequence outside a drafted step
     cost = prices.cost(4)
-    # Rows: 4 extra rows took 0.8 one-row steps where the curve said 0.4 (twice dearer). Drafting: 4
-    # sequences x 1.5 ms more than plain, over a 10 ms one-row step.
-    assert cost(5) == pytest.approx(1.0 + 0.4 * 2.0 + 0.6)
-    assert cost(1) == pytest.approx(1.6)
+    # Rows: 4 extra rows took 0.8 one-row forwards where the curve said 0.4 (twice dearer). Outside the
+    # forward: 4 sequences x 2 ms over a 10 ms one-row forward.
+    assert cost(5) == pytest.approx(1.0 + 0.4 * 2.0 + 0.8)
+    assert cost(1) == pytest.approx(1.8)
     assert StepPrices(linear_curve(0.1)).cost(4)(5) == pytest.approx(1.4)  # the curve alone before any step
+    # A drafted step is worth its expected tokens over its cost in plain steps (1 + 4 x 0.5 / 10 = 1.2 each):
+    # here 10% short of paying.
+    prices.record(4, 5, 0.018, 0.004 * 2.0, drafted=True, expected_tokens=0.9 * 4 * 2.6 / 1.2)
+    assert prices.drafts(4) is False
 
 
 def test_drafts_pause_where_they_were_not_expected_to_pay_and_are_tried_again():

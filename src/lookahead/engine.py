@@ -270,7 +270,7 @@ class Engine:
             if not finished:
                 kept.append((request.slot, result.kept_rows))
         self._laps("verify")
-        if self.prices is not None and len(self.runner.compile_seconds) == compiled:  # a compiling step says nothing
+        if expected is not None and len(self.runner.compile_seconds) == compiled:  # a compiling step says nothing
             self.prices.record(len(decoding), batch.height, forward, time.perf_counter() - started - forward,
                                drafted, expected)
         for slot, rows in kept:

@@ -27,7 +27,8 @@ class _Bucket:
     rows_found: float = 0.0
     rows_priced: float = 0.0
     overhead: dict[bool, float] = field(default_factory=dict)  # drafted? -> seconds per sequence outside the forward
-    # Decaying sums over drafted steps: the tokens per sequence the budget expected, and the steps' costs.
+    # Decaying sums over drafted steps: the tokens per sequence the budget expected, and the steps' costs in
+    # plain steps.
     expected: float = 0.0
     spent: float = 0.0
     plain_left: int = 0  # steps still to run without drafts before they are tried again
@@ -52,7 +53,7 @@ class StepPrices:
     """Prices steps of B sequences by height for the budget (`cost`), learning from every step the engine
     runs (`record`): the forward time of one-row steps, how much dearer than the curve's prediction the
     extra rows came out (one factor per batch bucket, learnt from every height fed), and the seconds per
-    sequence that a drafted step spends outside the forward beyond a plain step's. Drafts are skipped
+    sequence that drafted and plain steps spend outside the forward. Drafts are skipped
     (`drafts`) for 8 steps wherever recent drafted steps were expected, at these prices, to commit fewer
     tokens per unit of cost than plain steps (16, 32, then 64 steps while each retry finds the same); a
     one-row step is run where none was seen for `REFRESH_AFTER` steps, so that the prices follow growing
@@ -73,17 +74,19 @@ class StepPrices:
         return self._buckets.setdefault(1 << (batch.bit_length() - 1), _Bucket())
 
     def cost(self, batch: int) -> StepCost:
-        """The relative cost of a drafted step of `batch` sequences by height (a plain one-row step costs 1):
-        the curve with its extra rows scaled by what they were found to cost, plus the drafting overhead."""
+        """The relative cost of a drafted step of `batch` sequences by height (a one-row forward costs 1): the
+        curve with its extra rows scaled by what they were found to cost, plus the time spent outside the
+        forward (proposing, ranking, verifying)."""
         curve, seen = self._curve(batch), self._bucket(batch)
-        overhead = batch * self._overhead(seen) / seen.one_row if seen.one_row else 0.0
+        outside = self._outside(seen, batch, drafted=True)
         extra_rows = min(max(seen.extra_rows, 0.5), 4.0)  # a few early steps on a busy machine say little
-        return lambda height: 1.0 + (curve(height) - 1.0) * extra_rows + overhead
+        return lambda height: 1.0 + (curve(height) - 1.0) * extra_rows + outside
 
     @staticmethod
-    def _overhead(seen: _Bucket) -> float:
-        drafted = seen.overhead.get(True, 0.0)
-        return max(0.0, drafted - seen.overhead.get(False, drafted))
+    def _outside(seen: _Bucket, batch: int, drafted: bool) -> float:
+        """Time a step spends outside the forward, in one-row forwards (0 until both were seen)."""
+        overhead = seen.overhead.get(drafted)
+        return batch * overhead / seen.one_row if overhead is not None and seen.one_row else 0.0
 
     def drafts(self, batch: int) -> bool:
         """Whether the next step of `batch` sequences should propose drafts at all."""
@@ -98,8 +101,9 @@ class StepPrices:
             seen.plain_left = seen.retry_after
             return False
         seen.retry_after = 0
-        # A one-row step for the price of every other: first once drafts have been tried, then now and then.
-        return not (seen.one_row is None and seen.overhead or seen.one_row_age > self.REFRESH_AFTER)
+        # A plain step for the price of every other: once drafts have been tried, then now and then.
+        unpriced = seen.one_row is None or False not in seen.overhead
+        return not (True in seen.overhead and unpriced or seen.one_row_age > self.REFRESH_AFTER)
 
     def record(self, batch: int, height: int, forward_seconds: float, overhead_seconds: float,
                drafted: bool, expected_tokens: float | None = None) -> None:
@@ -107,12 +111,14 @@ class StepPrices:
         outside it (planning, verifying), whether it carried drafts and, if it did, the tokens the budget
         expected of it."""
         seen, curve = self._bucket(batch), self._curve(batch)
-        if height == 1:
-            seen.one_row, seen.one_row_age = _running(seen.one_row, forward_seconds, self.DECAY), 0
+        if height == 1:  # a step slowed by something else on the machine counts as at most 1.5 of the usual
+            usual = min(forward_seconds, 1.5 * seen.one_row) if seen.one_row else forward_seconds
+            seen.one_row, seen.one_row_age = _running(seen.one_row, usual, self.DECAY), 0
         elif seen.one_row is not None:
             seen.rows_found = seen.rows_found * self.SUM_DECAY + forward_seconds / seen.one_row - 1.0
             seen.rows_priced = seen.rows_priced * self.SUM_DECAY + curve(height) - 1.0
         seen.overhead[drafted] = _running(seen.overhead.get(drafted), overhead_seconds / batch, self.DECAY)
         if drafted and expected_tokens is not None:
             seen.expected = seen.expected * self.SUM_DECAY + expected_tokens / batch
-            seen.spent = seen.spent * self.SUM_DECAY + self.cost(batch)(height)
+            plain = 1.0 + self._outside(seen, batch, drafted=False)  # what a plain step costs, likewise
+            seen.spent = seen.spent * self.SUM_DECAY + self.cost(batch)(height) / plain

@@ -29,13 +29,15 @@ def top_tokens(logits: torch.Tensor, count: int = 1) -> torch.Tensor:
     """[rows, count]: each row's `count` likeliest tokens, best first, from logits [rows, vocab]. Column 0 is
     exactly `logits.argmax(-1)` (the first maximum), what greedy decoding picks. On a CPU, float32 rows go
     through numpy, whose vectorised argmax is ~10x faster than torch's here (23 against 270 us for 5 rows of
-    a 49k vocabulary); each further token is another argmax with the ones before masked out."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+    a 49k vocabulary); each further token is another argmax with the ones before masked out. bfloat16 and
+    float16 rows are read as float32 first, which they convert to exactly (torch's bfloat16 argmax and topk
+    took 0.5 ms a row for 4 tokens, numpy 0.1 ms with the conversion)."""
+    if logits.device.type != "cpu":
         best = logits.argmax(dim=-1, keepdim=True)
         if count == 1:
             return best
         return torch.cat([best, logits.topk(count, dim=-1).indices[:, 1:]], dim=1)  # ties may repeat a token
-    scores = logits.detach().numpy()
+    scores = logits.detach().float().numpy()
     picks = [scores.argmax(axis=-1)]
     if count > 1:
         scores, rows = scores.copy(), np.arange(scores.shape[0])
