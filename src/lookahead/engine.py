@@ -4,7 +4,8 @@ Requests join (`add_request`) and leave (finished, or `abort`) between steps. Ea
 one forward of prompt chunks for joining requests, then one forward for every decoding request: their
 step layouts padded to a common height, with a block mask, on a KV store that holds a slot per
 request. Each request keeps its own stop rules, sampling options, lookahead state and statistics; the
-rows of the step are shared across the batch by the forward cost curve (`core.drafter.node_counts`).
+rows of the step are shared across the batch by the forward cost curve (`core.drafter.node_counts`), as
+corrected by the engine's own step times (`core.prices`), which also decide whether drafts pay at all.
 """
 
 from __future__ import annotations
