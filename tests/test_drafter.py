@@ -225,4 +225,3 @@ def test_calibration_scales_the_budget_by_how_often_the_likeliest_node_was_right
     for _ in range(4):
         stats.record_top(0.25, True)  # under-estimates raise it
     assert stats.calibration == pytest.approx(6 / 4)
-

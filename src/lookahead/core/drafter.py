@@ -158,4 +158,3 @@ def window_width(cost: Callable[[int], float], max_width: int, levels: int) -> i
     whose sequences each feed their last token and the window costs at most WINDOW_COST_TOLERANCE times a
     step of one token each (`cost`: relative cost of a step by its height)."""
     return max(w for w in range(max_width + 1) if cost(1 + w * levels) <= WINDOW_COST_TOLERANCE * cost(1))
-

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-StepCost = Callable[[int], float]  # step height -> cost relative to a one-row step
+from .decoder import StepCost
 
 
 @dataclass
