@@ -329,6 +329,32 @@ def test_a_model_is_retrieved_by_its_id(server):
         client(url).models.retrieve("gpt-9")
 
 
+def test_the_openapi_document_describes_both_request_bodies(server):
+    url, _ = server
+    with urllib.request.urlopen(f"{url}/openapi.json", timeout=60) as response:
+        document = json.loads(response.read())
+    schemas = document["components"]["schemas"]
+
+    def resolve(schema: dict) -> dict:
+        return schemas[schema["$ref"].removeprefix("#/components/schemas/")] if "$ref" in schema else schema
+
+    def refs(node) -> list[str]:
+        if isinstance(node, dict):
+            return ([node["$ref"]] if "$ref" in node else []) + [r for value in node.values() for r in refs(value)]
+        return [r for value in node for r in refs(value)] if isinstance(node, list) else []
+
+    bodies = {path: resolve(document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"])
+              for path in ("/v1/chat/completions", "/v1/completions")}
+    chat, text = bodies["/v1/chat/completions"], bodies["/v1/completions"]
+    assert sorted(chat["required"]) == ["messages", "model"] and sorted(text["required"]) == ["model", "prompt"]
+    assert resolve(chat["properties"]["messages"]["items"])["required"] == ["role"]
+    for body in bodies.values():
+        assert {"max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
+                "lookahead"} <= set(body["properties"])
+    assert "max_completion_tokens" in chat["properties"] and "max_completion_tokens" not in text["properties"]
+    assert all(ref.removeprefix("#/components/schemas/") in schemas for ref in refs(document))
+
+
 def test_seeded_sampling_repeats_and_differs_by_seed(server):
     url, _ = server
     messages = [{"role": "user", "content": "Say something surprising."}]

@@ -489,11 +489,11 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         prompt = body.prompt_ids(tokenizer)
         return await run(request, body, prompt, params_of(body, key, prompt), chat=schema is ChatRequest)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatRequest))
     async def chat_completions(request: Request):
         return await answer(request, ChatRequest)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request):
         return await answer(request, CompletionRequest)
 
@@ -522,7 +522,35 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     async def health():
         return {"status": "ok", "running": engine.running(), "waiting": engine.waiting()}
 
+    _document_bodies(app, (ChatRequest, CompletionRequest))
     return app
+
+
+def _request_body(schema: type[RequestBody]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses its JSON itself (`_parse`: OpenAI-style errors), which
+    FastAPI therefore cannot describe."""
+    reference = {"$ref": f"{_SCHEMAS}{schema.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": reference}}}}
+
+
+_SCHEMAS = "#/components/schemas/"
+
+
+def _document_bodies(app: FastAPI, schemas: tuple[type[RequestBody], ...]) -> None:
+    """Put the request bodies that `_request_body` refers to, and the models they nest, in the app's OpenAPI
+    document."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            components = build().setdefault("components", {}).setdefault("schemas", {})
+            for schema in schemas:
+                document = schema.model_json_schema(ref_template=_SCHEMAS + "{model}")
+                components.update(document.pop("$defs", {}))
+                components[schema.__name__] = document
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 @contextlib.contextmanager
