@@ -11,9 +11,12 @@ import torch
 from conftest import reference_greedy
 from conftest import run_cli as run
 
+from lookahead.bench import batch
+from lookahead.bench import serve as bench_serve
 from lookahead.bench.report import divergence_table, summary_table
 from lookahead.bench.runner import Run, TieMeter, summarize
 from lookahead.bench.serve import LoadRun, load_table
+from lookahead.config import PLAIN_CONFIG
 
 
 def check_results(folder, methods: set[str], prompts: int, turns: int = 1) -> dict:
@@ -180,8 +183,8 @@ def test_bench_batch_sizes_on_a_tiny_model(tiny_dir, tmp_path):
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert [(r["batch_size"], r["method"]) for r in runs] == [
         (b, m) for b in (1, 3) for m in ("transformers", "plain", "lookahead")]
-    for r in runs:
-        assert r["sequences"] == 4 and 4 <= r["new_tokens"] <= 32 and r["seconds"] > 0 and r["latency"] > 0
+    for r in runs:  # two rounds (the default) of the 4 prompts
+        assert r["sequences"] == 8 and 8 <= r["new_tokens"] <= 64 and r["seconds"] > 0 and r["latency"] > 0
         if r["method"] == "lookahead":
             assert r["identical"] is True  # the same tokens as the plain engine
         if r["method"] == "plain":  # one token per step of each sequence
@@ -189,6 +192,41 @@ def test_bench_batch_sizes_on_a_tiny_model(tiny_dir, tmp_path):
     assert (tmp_path / "batch.png").stat().st_size > 0 and "| 3 | lookahead |" in (tmp_path / "report.md").read_text()
     bad = run("bench", "--model", tiny_dir, "--batch-size", "0,2")
     assert bad.returncode == 2 and "--batch-size" in bad.stderr
+    for args in (["--batch-size", "2", "--rounds", "0"], ["--rounds", "3"]):
+        bad = run("bench", "--model", tiny_dir, *args)
+        assert bad.returncode == 2 and "--rounds" in bad.stderr
+
+
+def test_batch_rounds_alternate_the_order_of_the_methods(monkeypatch):
+    """The machine drifts: each round runs the methods in the reverse order of the one before."""
+    calls = []
+
+    def transformers_batch(model, prompts, max_new_tokens):
+        calls.append("transformers")
+        return [[1, 2]] * len(prompts), 1.0, [1.0] * len(prompts)
+
+    def engine(model, prompts, max_new_tokens, config, size, compile):
+        calls.append("plain" if config is PLAIN_CONFIG else "lookahead")
+        return [[1, 2]] * len(prompts), 2.0, [2.0] * len(prompts), 2 * len(prompts)
+
+    class NoEngine:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def warm_up(self):
+            pass
+
+    monkeypatch.setattr(batch, "_transformers_batch", transformers_batch)
+    monkeypatch.setattr(batch, "_engine", engine)
+    monkeypatch.setattr(batch, "Engine", NoEngine)
+    runs = batch.batch_runs(None, [torch.tensor([1, 2, 3])] * 3, [2], 4, rounds=3)
+    forward = ["transformers", "transformers", "plain", "lookahead"]  # transformers: 2 batches of at most 2
+    assert calls == forward + forward[::-1] + forward
+    by = {r.method: r for r in runs}
+    assert by["plain"].sequences == 9 and by["plain"].new_tokens == 18 and by["plain"].seconds == 6.0
+    assert by["transformers"].seconds == 6.0  # 2 batches of the 3 prompts a round
+    with pytest.raises(ValueError, match="rounds"):
+        batch.batch_runs(None, [torch.tensor([1])], [1], 4, rounds=0)
 
 
 def test_bench_serve_loads_a_server_with_lookahead_on_and_off(tiny_dir, tmp_path):
@@ -197,18 +235,41 @@ def test_bench_serve_loads_a_server_with_lookahead_on_and_off(tiny_dir, tmp_path
     assert result.returncode == 0, result.stderr
     runs = {r["mode"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
     assert set(runs) == {"off", "auto"}
-    for r in runs.values():
-        assert (r["clients"], r["requests"], r["failed"]) == (3, 5, 0)
-        assert 5 <= r["tokens"] <= 40 and r["seconds"] > 0 and r["tokens_per_second"] > 0
+    for r in runs.values():  # two rounds (the default) of 5 requests
+        assert (r["clients"], r["requests"], r["failed"]) == (3, 10, 0)
+        assert 10 <= r["tokens"] <= 80 and r["seconds"] > 0 and r["tokens_per_second"] > 0
         assert 0 < r["first_token_p50"] <= r["first_token_p99"] and 0 <= r["inter_token_p50"] <= r["inter_token_p99"]
     assert runs["off"]["tokens_per_step"] == pytest.approx(1.0)  # one token per step with lookahead off
-    assert runs["auto"]["identical"] == 5  # greedy: every reply as with lookahead off
-    assert (tmp_path / "serve.png").stat().st_size > 0 and "| auto | 3 | 5 | 0 |" in (tmp_path / "report.md").read_text()
+    assert runs["auto"]["identical"] == 10  # greedy: every reply as with lookahead off
+    assert (tmp_path / "serve.png").stat().st_size > 0 and "| auto | 3 | 10 | 0 |" in (tmp_path / "report.md").read_text()
+
+
+def test_serve_rounds_alternate_the_modes_each_run_with_a_key_of_its_own(monkeypatch):
+    calls = []
+
+    def load_run(url, model, prompts, clients, max_tokens, mode, api_key, time_limit):
+        calls.append((mode, api_key, len(prompts)))
+        results = [bench_serve.StreamResult(i, text=f"reply {i}", tokens=4, steps=2 if mode == "auto" else 4,
+                                            first_token=0.1, gaps=[0.01] * 3) for i in range(len(prompts))]
+        return bench_serve._summary(mode, clients, results, 2.0), results
+
+    monkeypatch.setattr(bench_serve, "load_run", load_run)
+    keys = ("k0", "k1", "k2", "k3")
+    off, auto = bench_serve.serve_load("url", "m", ["a", "b", "c"], 2, 4, keys, rounds=2)
+    measured = [(mode, key) for mode, key, count in calls if count == 3]  # the warm-ups send 2 x clients
+    assert measured == [("auto", "k0"), ("off", "k1"), ("off", "k3"), ("auto", "k2")]
+    assert all(key == measured[i][1] for i, (_, key, count) in enumerate(c for c in calls if c[2] == 4))
+    assert (auto.requests, auto.tokens, auto.steps, auto.seconds, auto.identical) == (6, 24, 12, 4.0, 6)
+    assert (off.requests, off.steps, off.identical) == (6, 24, None)
+    with pytest.raises(ValueError, match="rounds"):
+        bench_serve.serve_load("url", "m", ["a"], 1, 4, rounds=0)
 
 
 def test_bench_serve_names_a_server_it_cannot_reach():
     result = run("bench", "serve", "--url", "http://127.0.0.1:9", "--requests", "1")
     assert result.returncode == 2 and "--url" in result.stderr and "/v1/models" in result.stderr
+    result = run("bench", "serve", "--url", "http://127.0.0.1:9", "--rounds", "2")
+    assert result.returncode == 2 and "--rounds" in result.stderr and "same key" in result.stderr
 
 
 def test_the_gpu_check_runs_through_on_tiny_shapes(tmp_path):

@@ -341,6 +341,7 @@ def bench_command(
     top_p: TopPOption = None,
     seed: SeedOption = 0,
     batch_size: Annotated[Optional[str], typer.Option(help="Comma list of batch sizes: compare transformers' batched generate, our plain engine and lookahead (the first --config, default auto) at each, on --limit prompts (default 16).")] = None,
+    rounds: Annotated[int, typer.Option(help="With --batch-size: rounds of the three methods, each round in the reverse order of the one before (the machine's speed drifts).")] = 2,
 ) -> None:
     """Run greedy generate, prompt lookup, our plain loop and lookahead side by side on a workload."""
     if ctx.invoked_subcommand is not None:
@@ -353,6 +354,8 @@ def bench_command(
         sizes = _int_list(batch_size, "--batch-size")
         if not sizes or min(sizes) < 1:
             raise typer.BadParameter(f"expected batch sizes >= 1, got {batch_size!r}", param_hint="--batch-size")
+        if rounds < 1:
+            raise typer.BadParameter(f"expected at least 1 round, got {rounds}", param_hint="--rounds")
         _refuse_given(ctx, ["sample", "temperature", "top_k", "top_p", "seed", "turns", "baselines", "profile"],
                       "not used with --batch-size (the batch benchmark decodes the first user turn greedily, "
                       "against transformers' batched generate and our plain engine)")
@@ -366,7 +369,8 @@ def bench_command(
             task = progress.add_task("batch sizes", total=len(sizes) * 3, last="")
             runs = batch_runs(lm, inputs, sizes, max_new_tokens, configs[0] if configs else AUTO_CONFIG,
                               on_run=lambda r: progress.update(task, advance=1, last=f"B={r.batch_size} {r.method} "
-                                                               f"{r.tokens_per_second:.1f} tok/s"), compile=compile)
+                                                               f"{r.tokens_per_second:.1f} tok/s"), compile=compile,
+                              rounds=rounds)
         env = {**environment(lm), "compiled engines": compile}
         print(batch_table(runs))
         print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
@@ -374,6 +378,8 @@ def bench_command(
             for path in write_batch(out, runs, env, "lookahead bench " + " ".join(sys.argv[2:])):
                 print(f"wrote {path}")
         return
+    _refuse_given(ctx, ["rounds"], "only applies with --batch-size (the workload benchmark rotates the order of "
+                  "its methods per prompt)")
     names = [b.strip() for b in baselines.split(",") if b.strip()]
     unknown = set(names) - {"greedy", "pld", "plain"}
     if unknown:
@@ -524,8 +530,9 @@ def bench_serve_command(
     out: OutOption = None,
     compile: Annotated[bool, typer.Option("--compile", help="Without --url: the server compiles its decoding steps (as `serve --compile`).")] = False,
     cpp_wrapper: CppWrapperOption = False,
+    rounds: Annotated[Optional[int], typer.Option(min=1, help="Rounds of the two modes, each in the reverse order of the one before (the machine's speed drifts); each round's modes get API keys of their own, so that no run drafts from another's replies. Default 2; with --url only 1 (one key).")] = None,
 ) -> None:
-    """Load a server with concurrent streaming chat clients, lookahead on then off: TTFT, inter-token
+    """Load a server with concurrent streaming chat clients, lookahead on and off in turn: TTFT, inter-token
     latency, throughput, failures."""
     from .bench.serve import load_table, serve_load
     from .serve import create_app, serve_in_thread
@@ -534,6 +541,10 @@ def bench_serve_command(
         _refuse_given(ctx, ["model", "gguf_file", "dtype", "threads", "max_batch", "compile", "cpp_wrapper"],
                       "sets up the server started here; with --url the running server decides: start it so, e.g. "
                       "`lookahead serve --compile`")
+        if rounds is not None and rounds > 1:
+            raise typer.BadParameter("with --url only 1: every round would send the same key, and the server's "
+                                     "corpus for it would hold the earlier rounds' replies to the same prompts",
+                                     param_hint="--rounds")
     else:
         _refuse_given(ctx, ["served_model", "api_key"], "only applies with --url (the server started here "
                       "serves --model, without a key)")
@@ -546,27 +557,30 @@ def bench_serve_command(
     compile = _compile_mode(compile, cpp_wrapper)
     console = Console(stderr=True)
 
-    def measure(base: str, name: str, key: str | None) -> list:
+    rounds = rounds or (1 if url is not None else 2)
+
+    def measure(base: str, name: str, keys: tuple[str | None, ...]) -> list:
         with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as progress:
-            task = progress.add_task("modes", total=2, last="")
-            return serve_load(base, name, prompts, clients, max_new_tokens, key, time_limit,
+            task = progress.add_task("modes", total=2 * rounds, last="")
+            return serve_load(base, name, prompts, clients, max_new_tokens, keys, time_limit, rounds,
                               on_run=lambda r: progress.update(task, advance=1, last=f"{r.mode}: "
                                                                f"{r.tokens_per_second:.1f} tok/s"))
 
     if url is not None:
         base = url.rstrip("/")
         name = served_model or _served_model(base, api_key)
-        runs = measure(base, name, api_key)
+        runs = measure(base, name, (api_key,))
         env = {"server": base, "model": name, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     else:
         lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
         name = model or DEFAULT_MODEL_NAME
+        keys = tuple(f"bench-{run}" for run in range(2 * rounds))  # a corpus per run
         server_app = create_app(lm, tokenizer, model_name=name, max_batch=max_batch or clients,
-                                max_queue=max(requests or 2 * clients, clients), compile=compile)
+                                max_queue=max(requests or 2 * clients, clients), compile=compile, api_keys=keys)
         with serve_in_thread(server_app) as base:
-            runs = measure(base, name, None)
+            runs = measure(base, name, keys)
         env = {**environment(lm), "max_batch": max_batch or clients, "compiled": compile}
-    env.update(clients=clients, max_new_tokens=max_new_tokens, dataset=dataset)
+    env.update(clients=clients, max_new_tokens=max_new_tokens, dataset=dataset, rounds=rounds)
     print(load_table(runs))
     print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
     if out is not None:

@@ -1,7 +1,9 @@
 """Batch benchmark: the same prompts decoded B at a time by transformers' batched `generate` (static
 batches, left-padded), and by our engine with B slots (continuous batching: a finished sequence's slot
 takes the next prompt at once), plain and with lookahead, in one process; throughput and per-sequence
-latency per batch size."""
+latency per batch size. The machines we measure on drift by up to 2x within minutes, so the methods run in
+rounds, each round in the reverse order of the one before: over two rounds every method has run first and
+last alike."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ class BatchRun:
 
     method: str
     batch_size: int
-    sequences: int
+    sequences: int  # decoded over all rounds (the prompts, once a round)
     new_tokens: int
     seconds: float
     latency: float  # mean seconds from a sequence's start to its last token
@@ -83,30 +85,37 @@ def _engine(model: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tok
 
 def batch_runs(model: PreTrainedModel, prompts: Sequence[torch.Tensor], batch_sizes: Sequence[int],
                max_new_tokens: int, config: LookaheadConfig = AUTO_CONFIG,
-               on_run: Callable[[BatchRun], None] | None = None, compile: bool = False) -> list[BatchRun]:
-    """For each batch size, every prompt once per method, the three methods one after another. `compile`: our
-    engines compile their steps, the step shapes compiled before anything is timed."""
+               on_run: Callable[[BatchRun], None] | None = None, compile: bool = False, rounds: int = 2
+               ) -> list[BatchRun]:
+    """For each batch size, every prompt once per method and round, the methods of a round one after another
+    in the reverse order of the round before. `compile`: our engines compile their steps, the step shapes
+    compiled before anything is timed."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     Engine(model, max_batch=max(batch_sizes), compile=compile)  # measures the cost curves of every batch size, once
     runs = []
     for size in batch_sizes:
         Engine(model, max_batch=size, compile=compile).warm_up()  # compiled: one slot is a shape apart from several
+        decode = {"transformers": lambda: [(*_transformers_batch(model, prompts[i: i + size], max_new_tokens), None)
+                                           for i in range(0, len(prompts), size)],
+                  "plain": lambda: [_engine(model, prompts, max_new_tokens, PLAIN_CONFIG, size, compile)],
+                  "lookahead": lambda: [_engine(model, prompts, max_new_tokens, config, size, compile)]}
         totals = {m: {"tokens": 0, "seconds": 0.0, "latency": 0.0, "steps": 0} for m in METHODS}
-        results = {"transformers": [(*_transformers_batch(model, prompts[i: i + size], max_new_tokens), None)
-                                    for i in range(0, len(prompts), size)],
-                   "plain": [_engine(model, prompts, max_new_tokens, PLAIN_CONFIG, size, compile)],
-                   "lookahead": [_engine(model, prompts, max_new_tokens, config, size, compile)]}
-        identical = results["lookahead"][0][0] == results["plain"][0][0]
-        for method, parts in results.items():
-            for outputs, seconds, latencies, steps in parts:
-                total = totals[method]
-                total["tokens"] += sum(map(len, outputs))
-                total["seconds"] += seconds
-                total["latency"] += sum(latencies)
-                total["steps"] += steps or 0
+        identical = True
+        for round_ in range(rounds):
+            results = {method: decode[method]() for method in (METHODS[::-1] if round_ % 2 else METHODS)}
+            identical &= results["lookahead"][0][0] == results["plain"][0][0]
+            for method, parts in results.items():
+                for outputs, seconds, latencies, steps in parts:
+                    total = totals[method]
+                    total["tokens"] += sum(map(len, outputs))
+                    total["seconds"] += seconds
+                    total["latency"] += sum(latencies)
+                    total["steps"] += steps or 0
         for method in METHODS:
             total = totals[method]
-            run = BatchRun(method, size, len(prompts), total["tokens"], total["seconds"],
-                           total["latency"] / len(prompts), total["steps"] or None,
+            run = BatchRun(method, size, len(prompts) * rounds, total["tokens"], total["seconds"],
+                           total["latency"] / (len(prompts) * rounds), total["steps"] or None,
                            identical if method == "lookahead" else None)
             runs.append(run)
             if on_run is not None:

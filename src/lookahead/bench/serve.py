@@ -1,6 +1,8 @@
 """Load benchmark of `lookahead serve`: N concurrent streaming chat clients on loopback, bounded in requests
 and time, with lookahead off and on against the same server; time to first token, inter-token latency,
-throughput and failures per mode."""
+throughput and failures per mode. The machine's speed drifts within minutes, so the modes run in rounds,
+each in the reverse order of the round before; a server keeps a corpus of earlier replies per API key, so
+each round's modes use keys of their own (drafting from replies to the same prompts would flatter lookahead)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# Lookahead first: a server keeps a corpus of earlier replies per API key, and drafting from the replies
-# of the same prompts decoded a moment before would flatter it; with lookahead off nothing is drafted.
 MODES = ("auto", "off")
 WARM_UP = "Say hello."  # not in any workload, so that warming up teaches the corpus nothing about it
 
@@ -123,33 +123,48 @@ def load_run(url: str, model: str, prompts: Sequence[str], clients: int, max_tok
     with ThreadPoolExecutor(clients) as pool:
         results = sorted((r for part in pool.map(lambda _: client(), range(clients)) for r in part),
                          key=lambda r: r.prompt)
-    seconds = time.perf_counter() - start
+    return _summary(mode, clients, results, time.perf_counter() - start), results
+
+
+def _summary(mode: str, clients: int, results: Sequence[StreamResult], seconds: float,
+             identical: int | None = None) -> LoadRun:
     good = [r for r in results if r.error is None]
     first = [r.first_token for r in good if r.first_token is not None]
     gaps = [gap for r in good for gap in r.gaps]
     pct = lambda values, q: float(np.percentile(values, q)) if values else float("nan")  # noqa: E731
-    run = LoadRun(mode, clients, len(results), len(results) - len(good), seconds, sum(r.tokens for r in good),
-                  sum(r.steps for r in good), pct(first, 50), pct(first, 99), pct(gaps, 50), pct(gaps, 99))
-    return run, results
+    return LoadRun(mode, clients, len(results), len(results) - len(good), seconds, sum(r.tokens for r in good),
+                   sum(r.steps for r in good), pct(first, 50), pct(first, 99), pct(gaps, 50), pct(gaps, 99), identical)
 
 
 def serve_load(url: str, model: str, prompts: Sequence[str], clients: int, max_tokens: int,
-               api_key: str | None = None, time_limit: float = 600.0,
+               keys: Sequence[str | None] = (None,), time_limit: float = 600.0, rounds: int = 1,
                on_run: Callable[[LoadRun], None] | None = None) -> list[LoadRun]:
-    """Lookahead on, then off, against one server; each mode is warmed up first by two waves of `clients`
-    concurrent short requests of different lengths, so that sequences join and leave a running batch (a
-    server that compiles its steps compiles the shapes that meets then, not while measured). The "auto" run
-    counts its replies that equal the "off" reply to the same prompt."""
-    runs, texts = {}, {}
+    """Lookahead on and off against one server, in `rounds` rounds, each in the reverse order of the one
+    before; round r's modes send the API keys `keys[2r]` and `keys[2r + 1]` (wrapping around: give 2 x rounds
+    keys of a server that keeps a corpus per key, or one key, one round). Each mode is warmed up first by two
+    waves of `clients` concurrent short requests of different lengths, so that sequences join and leave a
+    running batch (a server that compiles its steps compiles the shapes that meets then, not while measured).
+    The "auto" run counts its replies that equal the "off" reply to the same prompt in the same round."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    seconds = dict.fromkeys(MODES, 0.0)
+    results: dict[str, list[StreamResult]] = {mode: [] for mode in MODES}
+    same = 0
     warm_up = [" ".join([WARM_UP] * (1 + i % 3)) for i in range(2 * clients)]
-    for mode in MODES:
-        load_run(url, model, warm_up, clients, 8, mode, api_key, time_limit)
-        runs[mode], results = load_run(url, model, prompts, clients, max_tokens, mode, api_key, time_limit)
-        texts[mode] = {r.prompt: r.text for r in results if r.error is None}
-        if on_run is not None:
-            on_run(runs[mode])
-    same = sum(texts["off"].get(i) == text for i, text in texts["auto"].items())
-    return [runs["off"], LoadRun(**{**runs["auto"].__dict__, "identical": same})]
+    for round_ in range(rounds):
+        texts = {}
+        for mode in MODES[::-1] if round_ % 2 else MODES:
+            key = keys[(2 * round_ + MODES.index(mode)) % len(keys)]
+            load_run(url, model, warm_up, clients, 8, mode, key, time_limit)
+            run, done = load_run(url, model, prompts, clients, max_tokens, mode, key, time_limit)
+            seconds[mode] += run.seconds
+            results[mode] += done
+            texts[mode] = {r.prompt: r.text for r in done if r.error is None}
+            if on_run is not None:
+                on_run(run)
+        same += sum(texts["off"].get(i) == text for i, text in texts["auto"].items())
+    return [_summary("off", clients, results["off"], seconds["off"]),
+            _summary("auto", clients, results["auto"], seconds["auto"], same)]
 
 
 def load_table(runs: Sequence[LoadRun]) -> str:
