@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from .attention import stacked_heads
 from .runtime.batch import StepBatch, causal_step, pack_steps, pad_batch
 from .runtime.kv import KVStore
 
@@ -182,29 +183,6 @@ def check_model(model: PreTrainedModel) -> None:
         raise UnsupportedModelError(f"{type(model).__name__}.forward must accept attention_mask, position_ids and a cache")
 
 
-_SDPA_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
-
-
-@contextmanager
-def _grouped_kv_heads() -> Iterator[None]:
-    """Let torch's SDPA read grouped-query attention's key/value heads as they are (`enable_gqa`).
-
-    With a mask and more than one query row, transformers otherwise repeats every key/value head for its
-    query heads: a copy of each layer's whole cache per step (on the default model, 8 sequences of 2 rows
-    cost 1.37x 8 of one with the copies, 1.08x without). transformers takes `enable_gqa` when this
-    variable is set; it is set only around our forward passes, and only on CPU, whose SDPA kernels take
-    grouped heads with a mask (CUDA's would fall back to the math kernel)."""
-    previous = os.environ.get(_SDPA_GQA)
-    os.environ[_SDPA_GQA] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[_SDPA_GQA]
-        else:
-            os.environ[_SDPA_GQA] = previous
-
-
 def compile_mode(compile: bool | str) -> str | None:
     """The mode `compile=` asks for: None (eager) for False, "default" for True, else one of COMPILE_MODES."""
     if compile is False or compile is True:
@@ -285,8 +263,7 @@ class HFModelRunner:
     def _forward(self, input_ids: torch.Tensor, compiled: bool = False, **kwargs):
         start = time.perf_counter()
         packed = self._packed is not None and self.packed_from is not None and input_ids.numel() >= self.packed_from
-        gqa = _grouped_kv_heads() if self.device.type == "cpu" else nullcontext()
-        with self._packed.active() if packed else nullcontext(), gqa:
+        with self._packed.active() if packed else nullcontext(), stacked_heads(self.model):
             out = (self._compiled if compiled else self.model)(input_ids=input_ids, use_cache=True, **kwargs)
         self.forward_seconds += time.perf_counter() - start
         return out

@@ -1,0 +1,71 @@
+"""Attention with each key/value head's query heads stacked as rows (`lookahead.attention`): the same output
+as transformers' SDPA path, and only inside our forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from lookahead import generate
+from lookahead.attention import NAME, stacked_heads, stacked_heads_attention
+from lookahead.config import LookaheadConfig
+
+
+class _Heads(torch.nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,rows,kv_heads,group", [(1, 1, 2, 2), (3, 1, 2, 3), (2, 4, 1, 4), (4, 3, 3, 3),
+                                                      (2, 5, 2, 1)])
+def test_stacked_heads_give_what_transformers_sdpa_gives(dtype, batch, rows, kv_heads, group):
+    generator = torch.Generator().manual_seed(batch * 100 + rows * 10 + group)
+    length, dim = 37, 16
+    query = torch.randn(batch, rows, kv_heads * group, dim, generator=generator).to(dtype).transpose(1, 2)
+    # Keys and values as the KV store hands them over: the first `length` positions of longer buffers.
+    key = torch.randn(batch, kv_heads, 64, dim, generator=generator).to(dtype)[:, :, :length]
+    value = torch.randn(batch, kv_heads, 64, dim, generator=generator).to(dtype)[:, :, :length]
+    visible = torch.rand(batch, 1, rows, length, generator=generator) > 0.3
+    visible[..., 0] = True
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    module = _Heads(group)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim**-0.5)
+    out, weights = stacked_heads_attention(module, query, key, value, mask, scaling=dim**-0.5)
+    assert weights is None and out.shape == (batch, rows, kv_heads * group, dim)
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=0)
+
+
+def test_only_our_forwards_run_it_and_the_model_keeps_its_setting(llama_tiny):
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(llama_tiny.config._attn_implementation)
+        return stacked_heads_attention(*args, **kwargs)
+
+    AttentionInterface.register(NAME, recording)
+    try:
+        assert llama_tiny.config._attn_implementation == "sdpa"
+        generate(llama_tiny, torch.tensor([5, 6, 7, 8, 9]), max_new_tokens=4, config=LookaheadConfig(2, 3, 2))
+        assert calls and set(calls) == {NAME}
+        assert llama_tiny.config._attn_implementation == "sdpa"
+        ours = len(calls)
+        with torch.inference_mode():
+            llama_tiny(torch.tensor([[5, 6, 7]]))  # transformers' own forward of the same model: SDPA
+        assert len(calls) == ours
+    finally:
+        AttentionInterface.register(NAME, stacked_heads_attention)
+
+
+def test_a_model_on_eager_attention_is_left_alone(llama_tiny):
+    llama_tiny.config._attn_implementation = "eager"
+    try:
+        with stacked_heads(llama_tiny):
+            assert llama_tiny.config._attn_implementation == "eager"
+    finally:
+        llama_tiny.config._attn_implementation = "sdpa"
