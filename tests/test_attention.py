@@ -3,12 +3,14 @@ as transformers' SDPA path, and only inside our forwards."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from lookahead import generate
+from lookahead import attention, generate
 from lookahead.attention import NAME, stacked_heads, stacked_heads_attention
 from lookahead.config import LookaheadConfig
 
@@ -23,7 +25,8 @@ class _Heads(torch.nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch,rows,kv_heads,group", [(1, 1, 2, 2), (3, 1, 2, 3), (2, 4, 1, 4), (4, 3, 3, 3),
                                                       (2, 5, 2, 1)])
-def test_stacked_heads_give_what_transformers_sdpa_gives(dtype, batch, rows, kv_heads, group):
+def test_stacked_heads_give_what_transformers_sdpa_gives(dtype, batch, rows, kv_heads, group, monkeypatch):
+    monkeypatch.setattr(attention._THREAD, "ours", True, raising=False)  # as inside one of our forwards
     generator = torch.Generator().manual_seed(batch * 100 + rows * 10 + group)
     length, dim = 37, 16
     query = torch.randn(batch, rows, kv_heads * group, dim, generator=generator).to(dtype).transpose(1, 2)
@@ -69,3 +72,46 @@ def test_a_model_on_eager_attention_is_left_alone(llama_tiny):
             assert llama_tiny.config._attn_implementation == "eager"
     finally:
         llama_tiny.config._attn_implementation = "sdpa"
+
+
+def test_transformers_forwards_beside_ours_keep_their_path_and_the_setting_comes_back(llama_tiny, monkeypatch):
+    """A server's engine thread and transformers' `generate` in another share the model: the latter's
+    forwards stay on transformers' SDPA path while ours run, and the setting is restored once the last of
+    ours (overlapping in two threads) has left."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [0, 0, 5, 6, 7, 8, 9]])
+    padding = torch.tensor([[1] * 7, [0, 0] + [1] * 5])  # a 4-D mask reaches the attention
+    with torch.inference_mode():
+        alone = llama_tiny(ids, attention_mask=padding).logits
+    transformers_path = []
+
+    def counted(*args, **kwargs):
+        transformers_path.append(threading.current_thread())
+        return sdpa_attention_forward(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", counted)
+    inside, release = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
+
+    def ours(index: int) -> None:
+        with stacked_heads(llama_tiny):
+            inside[index].set()
+            release[index].wait(30)
+
+    threads = [threading.Thread(target=ours, args=(i,)) for i in range(2)]
+    for index, thread in enumerate(threads):
+        thread.start()
+        assert inside[index].wait(30)
+    try:
+        assert llama_tiny.config._attn_implementation == NAME
+        with torch.inference_mode():
+            beside = llama_tiny(ids, attention_mask=padding).logits
+        assert transformers_path == [threading.current_thread()] * llama_tiny.config.num_hidden_layers
+        assert torch.equal(beside, alone)
+        release[0].set()
+        threads[0].join(30)
+        assert llama_tiny.config._attn_implementation == NAME  # the other thread's forward still runs
+    finally:
+        for event in release:
+            event.set()
+        for thread in threads:
+            thread.join(30)
+    assert llama_tiny.config._attn_implementation == "sdpa"

@@ -11,12 +11,14 @@ bfloat16, float32 within noise (docs/benchmarks.md, session 18).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "lookahead_sdpa"
 # Options that transformers' SDPA path folds into the mask or refuses: left to it.
@@ -30,7 +32,9 @@ def stacked_heads_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     additive or boolean mask [B, 1, Q, L]; returns [B, Q, heads, D], as transformers' SDPA path does."""
     batch, heads, rows, dim = query.shape
     group = heads // key.shape[1]
-    if (group == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+    # Compiled forwards are all ours (`HFModelRunner`); eagerly, another thread may be transformers' own.
+    ours = torch.compiler.is_compiling() or getattr(_THREAD, "ours", False)
+    if (not ours or group == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
             or any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in _ITS_OWN)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -57,21 +61,45 @@ def _repeated(mask: torch.Tensor, group: int) -> torch.Tensor:
 
 
 AttentionInterface.register(NAME, stacked_heads_attention)
+# Masks as for SDPA: forwards of transformers' own beside ours (another thread) build theirs by this name,
+# and would otherwise get none (padding unmasked).
+AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
 @contextmanager
 def stacked_heads(model: PreTrainedModel) -> Iterator[None]:
     """Route the model's attention through `stacked_heads_attention` for the forwards inside, where the
-    model runs SDPA on a CPU; its own setting is back afterwards (transformers' `generate` of the same model
-    is left as it was)."""
-    config = model.config
-    previous = getattr(config, "_attn_implementation", None)
-    if previous != "sdpa" or model.device.type != "cpu":
+    model runs SDPA on a CPU; its own setting is back once no forward of ours runs on it. Other threads
+    (transformers' `generate` of the same model beside a server's engine) meanwhile reach the function too,
+    which runs transformers' SDPA path for them, unchanged."""
+    config = model.config.get_text_config(decoder=True)  # whose attention layers our forwards run
+    if model.device.type != "cpu":
         yield
         return
-    config._attn_implementation = NAME
+    with _SWITCH:
+        entry = _SWITCHED.get(id(config))
+        if entry is None and config._attn_implementation == "sdpa":
+            entry = _SWITCHED[id(config)] = [config, 0]
+            config._attn_implementation = NAME
+        if entry is not None:
+            entry[1] += 1
+    if entry is None:
+        yield
+        return
+    outer = getattr(_THREAD, "ours", False)
+    _THREAD.ours = True
     try:
         yield
     finally:
-        config._attn_implementation = previous
+        _THREAD.ours = outer
         _REPEATED.clear()
+        with _SWITCH:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _SWITCHED[id(config)]
+                config._attn_implementation = "sdpa"
+
+
+_SWITCH = threading.Lock()
+_SWITCHED: dict[int, list] = {}  # id(config) -> [config, forwards of ours running on it]
+_THREAD = threading.local()  # .ours: this thread is inside one of our forwards
