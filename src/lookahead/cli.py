@@ -341,7 +341,7 @@ def bench_command(
     top_p: TopPOption = None,
     seed: SeedOption = 0,
     batch_size: Annotated[Optional[str], typer.Option(help="Comma list of batch sizes: compare transformers' batched generate, our plain engine and lookahead (the first --config, default auto) at each, on --limit prompts (default 16).")] = None,
-    rounds: Annotated[int, typer.Option(help="With --batch-size: rounds of the three methods, each round in the reverse order of the one before (the machine's speed drifts).")] = 2,
+    rounds: Annotated[int, typer.Option(min=1, help="With --batch-size: rounds of the three methods, each round in the reverse order of the one before (the machine's speed drifts).")] = 2,
 ) -> None:
     """Run greedy generate, prompt lookup, our plain loop and lookahead side by side on a workload."""
     if ctx.invoked_subcommand is not None:
@@ -354,8 +354,6 @@ def bench_command(
         sizes = _int_list(batch_size, "--batch-size")
         if not sizes or min(sizes) < 1:
             raise typer.BadParameter(f"expected batch sizes >= 1, got {batch_size!r}", param_hint="--batch-size")
-        if rounds < 1:
-            raise typer.BadParameter(f"expected at least 1 round, got {rounds}", param_hint="--rounds")
         _refuse_given(ctx, ["sample", "temperature", "top_k", "top_p", "seed", "turns", "baselines", "profile"],
                       "not used with --batch-size (the batch benchmark decodes the first user turn greedily, "
                       "against transformers' batched generate and our plain engine)")
