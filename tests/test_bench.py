@@ -17,6 +17,7 @@ from lookahead.bench.report import divergence_table, summary_table
 from lookahead.bench.runner import Run, TieMeter, summarize
 from lookahead.bench.serve import LoadRun, load_table
 from lookahead.config import PLAIN_CONFIG
+from lookahead.workloads import CODE_EDITS, _lines, load_workload
 
 
 def check_results(folder, methods: set[str], prompts: int, turns: int = 1) -> dict:
@@ -130,9 +131,20 @@ def test_bench_bad_options(args, message):
 
 @pytest.mark.slow
 def test_bench_on_the_default_model(tmp_path):
-    result = run("bench", "--dataset", "humaneval", "--limit", "2", "--max-new-tokens", "16", "--out", str(tmp_path))
+    result = run("bench", "--dataset", "code_edit", "--limit", "2", "--max-new-tokens", "16", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
-    check_results(tmp_path, {"greedy", "pld", "plain", "lookahead-auto", "lookahead-W5N4G5"}, 2)
+    results = check_results(tmp_path, {"greedy", "pld", "plain", "lookahead-auto", "lookahead-W5N4G5"}, 2)
+    assert {r["category"] for r in results["runs"]} == {"comments", "type_checks"}
+
+
+def test_code_edits_hold_the_code_they_edit():
+    """Each code edit's prompt holds a HumanEval function with its solution, and asks one of the edits in turn."""
+    solved = {row["task_id"].split("/")[1]: row["prompt"] + row["canonical_solution"] for row in _lines("humaneval")}
+    edits = load_workload("code_edit")
+    assert len(edits) == len(solved) == 164 and len({e.id for e in edits}) == 164
+    for index, edit in enumerate(edits):
+        assert f"```python\n{solved[edit.id.split('/')[1]]}```" in edit.turns[0]
+        assert edit.category == list(CODE_EDITS)[index % 3] and edit.turns[0].startswith(CODE_EDITS[edit.category])
 
 
 def test_bench_with_sampling(tiny_dir, tmp_path):

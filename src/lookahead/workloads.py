@@ -1,5 +1,5 @@
-"""Prompt sets for tests and benchmarks: the vendored MT-bench, HumanEval, GSM8K, Spec-Bench, or a
-user's JSONL file."""
+"""Prompt sets for tests and benchmarks: the vendored MT-bench, HumanEval, GSM8K, Spec-Bench, code edits
+built from HumanEval's solutions, or a user's JSONL file."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-BUILTIN = ("mt_bench", "humaneval", "gsm8k", "spec_bench")
+BUILTIN = ("mt_bench", "humaneval", "gsm8k", "spec_bench", "code_edit")
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
@@ -34,6 +34,19 @@ def humaneval_chat_turn(code: str) -> str:
     return f"Complete the following Python function.\n\n```python\n{code}```"
 
 
+# Edits whose answer restates most of the code in the prompt, where drafting by copying from the prompt
+# pays most (transformers' prompt lookup, our suffix source).
+CODE_EDITS = {  # category -> what is asked
+    "comments": "Add a comment above each line of the function body explaining what it does.",
+    "type_checks": "Add type checks at the start of the function that raise TypeError for arguments of the wrong type.",
+    "renames": "Rename the function's local variables to more descriptive names.",
+}
+
+
+def code_edit_turn(code: str, edit: str) -> str:
+    return f"{CODE_EDITS[edit]} Reply with the whole function in one code block.\n\n```python\n{code}```"
+
+
 def load_workload(name: str, turns: int = 1, raw: bool = False) -> list[Prompt]:
     """Prompts of a built-in workload (see BUILTIN) or of a JSONL file with a `prompt` or `turns` field.
 
@@ -46,6 +59,11 @@ def load_workload(name: str, turns: int = 1, raw: bool = False) -> list[Prompt]:
             Prompt(row["task_id"], "humaneval", (row["prompt"] if raw else humaneval_chat_turn(row["prompt"]),), raw)
             for row in _lines(name)
         ]
+    if name == "code_edit":  # HumanEval's functions with their solutions, each asked one of the edits in turn
+        edits = list(CODE_EDITS)
+        return [Prompt(row["task_id"].replace("HumanEval", "code_edit"), edits[index % len(edits)],
+                       (code_edit_turn(row["prompt"] + row["canonical_solution"], edits[index % len(edits)]),))
+                for index, row in enumerate(_lines("humaneval"))]
     if name == "gsm8k":
         return [Prompt(f"gsm8k/{index}", "gsm8k", (row["question"],)) for index, row in enumerate(_lines(name))]
     if name in ("mt_bench", "spec_bench"):
