@@ -7,9 +7,10 @@
 #   bash scripts/llama_cpp_bench.sh [threads] [out]   # llama-bench's table, then ours side by side
 #
 # In the same run it then decodes with our plain loop and lookahead (`auto`), eager and compiled, in
-# float32 and with int4 weights (`--dtype int4`), 8 MT-bench prompts of 256 new tokens, runs llama-bench
-# again, and prints ours (decoding alone, as llama-bench measures it) against the mean of llama.cpp's two
-# Q4_1 and F32 figures (results under [out], default docs/bench/llama_cpp).
+# float32, bfloat16 and with int4 weights (`--dtype int4`), 8 MT-bench prompts of 256 new tokens, runs
+# llama-bench again, and prints ours (decoding alone, as llama-bench measures it) against the mean of
+# llama.cpp's two figures on the same weights (F32, BF16; Q4_1 for int4) and on Q4_1 (results under [out],
+# default docs/bench/llama_cpp).
 #
 # Needs cmake and a C++ compiler; the build (a few minutes) and the converted files are kept for reruns.
 set -euo pipefail
@@ -49,40 +50,46 @@ llama_bench() {
   "$SRC/build/bin/llama-bench" -m "$Q4" -m "$WORK/default-f32.gguf" -m "$WORK/default-bf16.gguf" \
     -t "$THREADS" -p 0 -n 256 -d 128 -r 3 -o json > "$1"
 }
-# llama.cpp runs before and after ours (this machine's speed drifts by 10-20% over minutes): ours is
-# compared with the mean of the two.
-llama_bench "$OUT/llama_bench.json"
-# Both compile with the C++ wrapper (in one process, 3-7% faster int4 steps and 4% faster float32 ones
-# here; the first compilation takes minutes, then inductor's cache).
-for dtype in float32 int4; do
+# llama.cpp runs before and after each of our dtypes (this machine's speed drifted by up to 1.6x over the
+# half hour of a run): each dtype of ours is compared with the mean of the two runs beside it.
+DTYPES=(float32 bfloat16 int4)
+llama_bench "$OUT/llama_bench_0.json"
+for i in "${!DTYPES[@]}"; do
+  # Compiled with the C++ wrapper (in one process, 3-7% faster int4 steps and 4% faster float32 ones on
+  # an earlier machine; the first compilation takes minutes, then inductor's cache).
   .venv/bin/lookahead bench --dataset mt_bench --limit 8 --max-new-tokens 256 --baselines plain --config auto \
-    --cpp-wrapper --dtype "$dtype" --threads "$THREADS" --out "$OUT/ours-$dtype" > /dev/null
+    --cpp-wrapper --dtype "${DTYPES[$i]}" --threads "$THREADS" --out "$OUT/ours-${DTYPES[$i]}" > /dev/null
+  llama_bench "$OUT/llama_bench_$((i + 1)).json"
 done
-llama_bench "$OUT/llama_bench_after.json"
 $PY - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-llama_runs: dict[str, list[float]] = {}  # weights -> tokens/s before ours, after ours
-for name in ("llama_bench.json", "llama_bench_after.json"):
-    for row in json.loads((out / name).read_text()):
+dtypes = {"float32": "F32", "bfloat16": "BF16", "int4": "Q4_1"}  # ours -> llama.cpp on the same weights
+runs = []  # per llama-bench run: weights -> tokens/s
+for index in range(len(dtypes) + 1):
+    run = {}
+    for row in json.loads((out / f"llama_bench_{index}.json").read_text()):
         kind = "Q4_1" if "Q4_1" in row["model_type"] else ("F32" if "F32" in row["model_type"] else "BF16")
-        llama_runs.setdefault(kind, []).append(row["avg_ts"])
-llama = {kind: sum(speeds) / len(speeds) for kind, speeds in llama_runs.items()}
-lines = ["| llama.cpp, plain | tokens/s before ours | after ours | mean |", "|---|---|---|---|"]
-lines += [f"| {k} | {llama_runs[k][0]:.1f} | {llama_runs[k][1]:.1f} | {llama[k]:.1f} |" for k in llama]
+        run[kind] = row["avg_ts"]
+    runs.append(run)
+lines = ["| llama.cpp, plain, tokens/s | " + " | ".join(f"run {i}" for i in range(len(runs))) + " |",
+         "|---|" + "---|" * len(runs)]
+lines += [f"| {kind} | " + " | ".join(f"{run[kind]:.1f}" for run in runs) + " |" for kind in ("Q4_1", "F32", "BF16")]
 # llama-bench's figure is decoding alone (its 128-token context is filled before the clock starts): ours is
-# compared decoding alone too (without the prompt's prefill), and also shown with it.
-lines += ["", "| ours | tokens/s | decoding alone | tokens/step | vs llama.cpp Q4_1 (mean) | vs llama.cpp F32 (mean) |",
-          "|---|---|---|---|---|---|"]
-for dtype in ("float32", "int4"):
-    runs = json.loads((out / f"ours-{dtype}" / "results.json").read_text())["runs"]
+# compared decoding alone too (without the prompt's prefill), and also shown with it; each dtype of ours
+# against the mean of the llama.cpp runs before and after it.
+lines += ["", "| ours | tokens/s | decoding alone | tokens/step | vs llama.cpp, same weights (runs beside it) "
+          "| vs llama.cpp Q4_1 (runs beside it) |", "|---|---|---|---|---|---|"]
+for index, (dtype, kind) in enumerate(dtypes.items()):
+    beside = {k: (runs[index][k] + runs[index + 1][k]) / 2 for k in runs[index]}
+    mine_all = json.loads((out / f"ours-{dtype}" / "results.json").read_text())["runs"]
     for method in ("plain", "lookahead-auto", "plain-cpp-wrapper", "lookahead-auto-cpp-wrapper"):
-        mine = [r for r in runs if r["method"] == method]
+        mine = [r for r in mine_all if r["method"] == method]
         tokens, seconds, steps = (sum(r[k] for r in mine) for k in ("new_tokens", "seconds", "steps"))
         decoding = tokens / (seconds - sum(r["phase_seconds"].get("prefill", 0.0) for r in mine))
         lines.append(f"| {method} {dtype} | {tokens / seconds:.1f} | {decoding:.1f} | {tokens / steps:.2f} "
-                     f"| {decoding / llama['Q4_1']:.2f}x | {decoding / llama['F32']:.2f}x |")
+                     f"| {decoding / beside[kind]:.2f}x {kind} | {decoding / beside['Q4_1']:.2f}x |")
 (out / "side_by_side.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
