@@ -42,6 +42,20 @@ def test_stats_score_each_draft_as_deep_as_the_committed_tokens_reach():
     assert stats.rate(Draft((1, 2), "pool"), 1, rank=1) == pytest.approx(2 / 3)
 
 
+def test_stats_follow_a_workload_that_changes():
+    """Counts are halved past `memory` offers, so a kind of draft that stops being accepted loses its
+    estimate within a few hundred offers, where counts kept for good would still rate it high."""
+    draft = Draft((5,), "suffix", context=1)
+    forgetting, lasting = AcceptanceStats(memory=50), AcceptanceStats(memory=float("inf"))
+    for stats in (forgetting, lasting):
+        for _ in range(500):
+            stats.record([draft], [5])
+        for _ in range(100):
+            stats.record([draft], [6])
+    assert forgetting.rate(draft, 1) < 0.2
+    assert lasting.rate(draft, 1) == pytest.approx(501 / 602)
+
+
 def test_without_a_cost_every_node_is_kept_and_shared_prefixes_are_merged():
     drafts = [Draft((1, 2, 3), "pool"), Draft((1, 2, 4, 5), "suffix", 4), Draft((6,), "pool")]
     merged = merged_tree(drafts, AcceptanceStats(), None, fixed_rows=1, max_nodes=None)

@@ -10,7 +10,9 @@ from test_exact_tiny import ForwardRecorder, random_prompt
 from test_sampling import PROMPT, reference_samples, same_distribution_pvalue, small_vocab_model  # noqa: F401
 
 from lookahead import LookaheadConfig, generate
-from lookahead.engine import Engine, RequestParams
+from lookahead.core.drafter import AcceptanceStats
+from lookahead.core.drafts import Draft
+from lookahead.engine import Engine, RequestParams, acceptance_stats
 
 STOPS = [2, 17]  # token 17 is common enough in the tiny models' outputs to stop some sequences mid-batch
 BATCH_CONFIGS = [None, LookaheadConfig(window=3, ngram=3, guesses=3), LookaheadConfig(window=0, guesses=0)]
@@ -43,6 +45,26 @@ def test_every_sequence_of_a_batch_is_its_own_greedy_output(tiny_model, config):
     new_tokens = [s.new_tokens for s in out.stats.per_sequence]
     assert new_tokens[3] <= 12 and max(new_tokens) > new_tokens[3]  # one stopped mid-batch, others went on
     assert out.stats.new_tokens == sum(new_tokens)
+
+
+def test_acceptance_stats_outlive_a_call_and_never_change_its_output(llama_tiny, monkeypatch):
+    """Every engine over a model learns into the same statistics, so a call's first steps are sized by what
+    the model accepted before; whatever they hold (here: every source trusted to any depth, then the
+    statistics of the call before), the output is transformers' greedy output."""
+    trusting = AcceptanceStats()
+    for source in ("suffix", "pool", "recycle"):
+        for context in (1, 2, 4, 8, 16):
+            for _ in range(50):
+                trusting.record([Draft(tuple(range(32)), source, context=context)], list(range(32)))
+    monkeypatch.setattr("lookahead.engine._ACCEPTANCE", {llama_tiny: trusting})
+    assert acceptance_stats(llama_tiny) is trusting and Engine(llama_tiny, max_batch=1).acceptance is trusting
+    prompt = torch.cat([random_prompt(12, 7)[0]] * 3)  # repeats: the suffix source drafts from its first copy
+    expected = expected_row(llama_tiny, prompt, 40, 0)
+    for _ in range(2):
+        out = generate(llama_tiny, prompt, max_new_tokens=40, eos_token_id=STOPS)
+        assert torch.equal(out.sequences[0], expected[: out.sequences.shape[1]])
+    assert acceptance_stats(llama_tiny) is trusting
+    assert trusting.calibration != 1.0  # the calls' steps were learnt: primed by `record` alone, it was 1
 
 
 def test_left_padded_batch_with_attention_mask(llama_tiny):

@@ -62,8 +62,8 @@ class LookaheadDecoder:
     first, with the committed tokens before that node (None: none). corpus: earlier requests' text for the
     suffix source and their predictions for the recycle source. cost: the step cost curve that sizes the
     tree and the window when `config.budget` is set. proposers: more draft sources, after the pool, the
-    suffix and the recycle sources. stats: acceptance statistics to learn from and add to (shared by the
-    requests of an engine); None: this sequence's own. context: the model's context in positions, past
+    suffix and the recycle sources. stats: acceptance statistics to learn from and add to (the engine's are
+    shared by every request on its model); None: this sequence's own. context: the model's context in positions, past
     which no row of a step is placed (None: no limit)."""
 
     def __init__(

@@ -35,10 +35,12 @@ def _ranked(drafts: Sequence[Draft]) -> list[tuple[Draft, int]]:
 class AcceptanceStats:
     """P(the model agrees with a draft's d-th token | it agreed with the d-1 before), per (source, rank
     among that source's drafts, matched-context bin, depth), counted from every draft of every step
-    against what was committed."""
+    against what was committed. Counts are halved once a kind has been offered `memory` times, so the
+    estimates follow a workload that changes (the stats outlive a request: see `engine.acceptance_stats`)."""
 
-    def __init__(self, prior_accepted: float = 1.0, prior_offered: float = 2.0) -> None:
+    def __init__(self, prior_accepted: float = 1.0, prior_offered: float = 2.0, memory: float = 1000.0) -> None:
         self._prior = (prior_accepted, prior_offered)
+        self._memory = memory
         self._counts: dict[tuple[str, int, int, int], list[float]] = {}
         self._top_expected = self._top_accepted = 0.0
 
@@ -54,6 +56,9 @@ class AcceptanceStats:
         """A step's likeliest node: its estimated chance, and whether the committed text began with it."""
         self._top_expected += probability
         self._top_accepted += accepted
+        if self._top_expected >= self._memory:
+            self._top_expected /= 2
+            self._top_accepted /= 2
 
     def rate(self, draft: Draft, depth: int, rank: int = 0) -> float:
         key = (draft.source, rank, _context_bucket(draft.context), depth)
@@ -68,6 +73,9 @@ class AcceptanceStats:
             key = (draft.source, rank, _context_bucket(draft.context))
             for depth, (guessed, actual) in enumerate(zip(draft.tokens, committed), start=1):
                 counts = self._counts.setdefault((*key, depth), [0.0, 0.0])
+                if counts[1] >= self._memory:
+                    counts[0] /= 2
+                    counts[1] /= 2
                 counts[1] += 1
                 if guessed != actual:
                     break
