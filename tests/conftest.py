@@ -29,7 +29,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from lookahead import cli, quant
+from lookahead import cli, engine, quant
 from lookahead.baseline import hf_generate
 from lookahead.core.prices import StepPrices
 from lookahead.models import cache_root, load_model
@@ -110,6 +110,14 @@ def _models_loaded_once():
         patch.setattr(cli, "load_model", lambda name_or_path=None, gguf_file=None, dtype="float32":
                       _load_once(name_or_path, gguf_file, dtype))
         yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_acceptance_stats(monkeypatch):
+    """Each test starts from acceptance statistics of its own: those an engine learns outlive it (per model,
+    `engine.acceptance_stats`), so without this what a test drafts would depend on the tests run before it in
+    the same process. test_engine tests the sharing itself."""
+    monkeypatch.setattr(engine, "_ACCEPTANCE", weakref.WeakKeyDictionary())
 
 
 @pytest.fixture

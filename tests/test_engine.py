@@ -3,6 +3,8 @@ would be alone (transformers' greedy `generate` of its own prompt)."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from conftest import model_fingerprint, reference_greedy
@@ -50,14 +52,14 @@ def test_every_sequence_of_a_batch_is_its_own_greedy_output(tiny_model, config):
 def test_acceptance_stats_outlive_a_call_and_never_change_its_output(llama_tiny, monkeypatch):
     """Every engine over a model learns into the same statistics, so a call's first steps are sized by what
     the model accepted before; whatever they hold (here: every source trusted to any depth, then the
-    statistics of the call before), the output is transformers' greedy output."""
+    statistics of the call before), the output is transformers' greedy output. Sampled calls learn apart."""
     trusting = AcceptanceStats()
     for source in ("suffix", "pool", "recycle"):
         for context in (1, 2, 4, 8, 16):
             for _ in range(50):
                 trusting.record([Draft(tuple(range(32)), source, context=context)], list(range(32)))
-    monkeypatch.setattr("lookahead.engine._ACCEPTANCE", {llama_tiny: trusting})
-    assert acceptance_stats(llama_tiny) is trusting and Engine(llama_tiny, max_batch=1).acceptance is trusting
+    monkeypatch.setattr("lookahead.engine._ACCEPTANCE", weakref.WeakKeyDictionary({llama_tiny: {False: trusting}}))
+    assert acceptance_stats(llama_tiny) is trusting
     prompt = torch.cat([random_prompt(12, 7)[0]] * 3)  # repeats: the suffix source drafts from its first copy
     expected = expected_row(llama_tiny, prompt, 40, 0)
     for _ in range(2):
@@ -65,6 +67,12 @@ def test_acceptance_stats_outlive_a_call_and_never_change_its_output(llama_tiny,
         assert torch.equal(out.sequences[0], expected[: out.sequences.shape[1]])
     assert acceptance_stats(llama_tiny) is trusting
     assert trusting.calibration != 1.0  # the calls' steps were learnt: primed by `record` alone, it was 1
+    learnt = trusting.calibration
+    sampled = acceptance_stats(llama_tiny, sampling=True)
+    assert sampled is not trusting and sampled.calibration == 1.0
+    generate(llama_tiny, prompt, max_new_tokens=40, eos_token_id=STOPS, do_sample=True,
+             generator=torch.Generator().manual_seed(0))
+    assert sampled.calibration != 1.0 and trusting.calibration == learnt
 
 
 def test_left_padded_batch_with_attention_mask(llama_tiny):

@@ -200,7 +200,9 @@ def fit_pvalue(samples: list[tuple], expected: dict[tuple, float]) -> float:
 def test_first_tokens_distribution_on_the_default_model(default_model):
     """Lookahead sampling on the real model, against the exact distribution that transformers' sampling
     draws from (the model's logits through its own warpers). The prompt repeats itself, so that drafts from
-    it are often accepted: about 40% of the second tokens come from an accepted draft."""
+    it are often accepted: about 40% of the second tokens come from an accepted draft. A fixed config feeds
+    its drafts at every step: the automatic budget, having learnt in the first calls how often such drafts
+    are accepted, rightly stops feeding them to a batch of 20 on a CPU."""
     model, tokenizer = default_model
     prompt = tokenizer("Roses are red, violets are blue. Roses are red, violets are blue. Roses are",
                        return_tensors="pt").input_ids
@@ -210,7 +212,7 @@ def test_first_tokens_distribution_on_the_default_model(default_model):
     batch, draws, samples, accepted = 20, 300, [], 0  # batches of 20: 3.6x cheaper per draw than one by one
     for _ in range(draws // batch):
         out = generate(model, prompt.repeat(batch, 1), max_new_tokens=2, do_sample=True, top_k=20,
-                       temperature=1.2, generator=generator)
+                       temperature=1.2, generator=generator, config=LookaheadConfig(window=0, guesses=5))
         samples += [tuple(row) for row in out.sequences[:, prompt.shape[1]:].tolist()]
         accepted += sum(s.new_tokens - s.steps for s in out.stats.per_sequence)
     assert accepted > draws // 5  # the acceptance path really runs

@@ -36,19 +36,21 @@ from .sampling import DecodingOptions, check_decoding_options, decoding_rule
 # `max_length` so that every step, padding included, is written in place.
 STEP_ROOM = 256
 TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)  # what token ids may come in
-_ACCEPTANCE: weakref.WeakKeyDictionary[PreTrainedModel, AcceptanceStats] = weakref.WeakKeyDictionary()
+_ACCEPTANCE: weakref.WeakKeyDictionary[PreTrainedModel, dict[bool, AcceptanceStats]] = weakref.WeakKeyDictionary()
 
 
-def acceptance_stats(model: PreTrainedModel) -> AcceptanceStats:
+def acceptance_stats(model: PreTrainedModel, sampling: bool = False) -> AcceptanceStats:
     """How often each kind of draft is accepted by `model`, learnt from every request of every engine over it
     (so every `generate` call) in this process: a call's first steps are sized by what the model accepted
     before rather than by a prior, and deep drafts get fed from the start (1.21x the speed of statistics learnt
-    afresh per call on code edits and on MT-bench, docs/benchmarks.md). Greedy outputs and seeded samples do
-    not depend on it; tokens/step and speed do, so a benchmark's first prompt is decoded colder than the rest."""
-    stats = _ACCEPTANCE.get(model)
-    if stats is None:
-        stats = _ACCEPTANCE[model] = AcceptanceStats()
-    return stats
+    afresh per call on code edits and on MT-bench, docs/benchmarks.md). Sampled requests learn apart from
+    greedy ones (`sampling`): a draft is accepted less often where the token is drawn. Greedy outputs and
+    seeded samples do not depend on it; tokens/step and speed do, so a benchmark's first prompt is decoded
+    colder than the rest."""
+    by_rule = _ACCEPTANCE.get(model)
+    if by_rule is None:
+        by_rule = _ACCEPTANCE[model] = {}
+    return by_rule.setdefault(sampling, AcceptanceStats())
 
 
 @dataclass
@@ -181,7 +183,6 @@ class Engine:
         self.cost: CostCurve = self._costs[1]
         self.store = self.runner.new_store(max_batch, max_length + STEP_ROOM)
         self.stats = GenerationStats()  # of every step, all requests together
-        self.acceptance = acceptance_stats(model)
         # The curves corrected by this engine's own step times, overheads included, and whether drafts pay at
         # all. Not under tensor parallelism: every process must plan the same steps, and each times its own.
         self.prices = None if is_sharded(model) else StepPrices(self._cost)
@@ -211,7 +212,8 @@ class Engine:
         rule = decoding_rule(self.model, params.decoding(generator), prompt.numel(), params.max_new_tokens, stops)
         decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform,
                                    corpus=params.corpus, cost=self.cost, proposers=params.proposers,
-                                   stats=self.acceptance, context=context_length(self.model))
+                                   stats=acceptance_stats(self.model, rule.choose is not None),
+                                   context=context_length(self.model))
         request = _Request(self._next_id, prompt, params, decoder, set(stops),
                            GenerationStats(window=decoder.window.width))
         self._next_id += 1
