@@ -254,7 +254,7 @@ class Engine:
         if not decoding:
             return []
         started, compiled = time.perf_counter(), len(self.runner.compile_seconds)
-        plans, drafted, expected = self._plans(decoding)
+        plans, drafted, priced = self._plans(decoding)
         batch = pack_steps([r.slot for r in decoding], [self.store.lengths[r.slot] for r in decoding],
                            [StepInput(p.tokens, p.layout.offsets, p.layout.allowed, p.layout.logit_rows)
                             for p in plans])
@@ -267,7 +267,7 @@ class Engine:
         self.stats.phase_seconds["inputs"] -= forward  # the lap ran the forward
         self.stats.steps += 1
         self.stats.tokens_fed += batch.tokens.numel()
-        outputs, kept, failed = [], [], {}
+        outputs, kept, failed, committed = [], [], {}, 0
         for row, (request, plan) in enumerate(zip(decoding, plans)):
             pick = batch.picks[row]
             try:
@@ -276,6 +276,7 @@ class Engine:
                 failed[request.id] = error
                 outputs.append([request, [], True])
                 continue
+            committed += len(result.tokens)
             tokens, finished = self._stop(request, result.tokens)
             request.stats.steps += 1
             request.stats.tokens_fed += plan.layout.size
@@ -284,9 +285,9 @@ class Engine:
             if not finished:
                 kept.append((request.slot, result.kept_rows))
         self._laps("verify")
-        if expected is not None and len(self.runner.compile_seconds) == compiled:  # a compiling step says nothing
+        if priced and len(self.runner.compile_seconds) == compiled:  # a compiling step says nothing
             self.prices.record(len(decoding), batch.height, forward, time.perf_counter() - started - forward,
-                               drafted, expected)
+                               drafted, committed)
         for slot, rows in kept:
             self.store.keep(slot, rows)
         self._laps("commit")
@@ -304,10 +305,9 @@ class Engine:
         self.stats.compile_seconds = sum(self.runner.compile_seconds.values())
         return reports
 
-    def _plans(self, decoding: list[_Request]) -> tuple[list[StepPlan], bool, float | None]:
+    def _plans(self, decoding: list[_Request]) -> tuple[list[StepPlan], bool, bool]:
         """Each request's step, sized together: the rows go where they pay for the batch as a whole. Also
-        whether the step carries drafts, and the tokens the budget expects of it (None: no request has the
-        budget). Where drafts do not pay at this batch size (`StepPrices.drafts`), budgeted requests feed
+        whether the step carries drafts, and whether it is priced (some request has the budget). Where drafts do not pay at this batch size (`StepPrices.drafts`), budgeted requests feed
         their last token alone, without proposing anything."""
         budgeted = [r.decoder.cost is not None for r in decoding]
         prices = self.prices if self.prices is not None and any(budgeted) else None
@@ -327,9 +327,8 @@ class Engine:
             self.stats.undrafted_steps += 1
             for request, d in zip(decoding, drafting):
                 request.stats.undrafted_steps += not d
-        expected = (sum(1.0 + sum(d.gains[:n]) for d, n in zip(demands, counts)) if prices is not None else None)
         return ([r.decoder.plan(p, n, w) for r, p, n, w in zip(decoding, proposals, counts, windows)],
-                any(drafting), expected)
+                any(drafting), prices is not None)
 
     def _cost(self, batch: int) -> CostCurve:
         """The relative cost of a step of `batch` sequences by its height: the measured curve of the largest

@@ -17,6 +17,25 @@ from .decoder import StepCost
 
 
 @dataclass
+class _Gain:
+    """Decaying sums over some drafted steps: the tokens per sequence they committed, and their costs in plain
+    steps."""
+
+    committed: float = 0.0
+    spent: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: float, cost: float, decay: float) -> None:
+        self.committed = self.committed * decay + tokens
+        self.spent = self.spent * decay + cost
+        self.steps += 1
+
+    def below(self, bar: float, after: int) -> bool:
+        """Whether these steps committed less than `bar` tokens per unit of cost, once `after` were seen."""
+        return self.steps >= after and self.committed < bar * self.spent
+
+
+@dataclass
 class _Bucket:
     """Running estimates for steps of one range of batch sizes (a power of two up to the next)."""
 
@@ -27,10 +46,8 @@ class _Bucket:
     rows_found: float = 0.0
     rows_priced: float = 0.0
     overhead: dict[bool, float] = field(default_factory=dict)  # drafted? -> seconds per sequence outside the forward
-    # Decaying sums over drafted steps: the tokens per sequence the budget expected, and the steps' costs in
-    # plain steps.
-    expected: float = 0.0
-    spent: float = 0.0
+    drafted: _Gain = field(default_factory=lambda: _Gain())  # every drafted step
+    fed: _Gain = field(default_factory=lambda: _Gain())  # the drafted steps that fed rows beyond the last tokens
     plain_left: int = 0  # steps still to run without drafts before they are tried again
     retry_after: int = 0  # steps without drafts after the next finding that they do not pay
 
@@ -39,10 +56,6 @@ class _Bucket:
         """What rows beyond the first cost, over what the curve says (1 until measured)."""
         return self.rows_found / self.rows_priced if self.rows_priced > 0 else 1.0
 
-    @property
-    def gain(self) -> float | None:
-        """Tokens per unit of cost of recent drafted steps, as expected, over a plain step's (one per unit)."""
-        return self.expected / self.spent if self.spent > 0 else None
 
 
 def _running(old: float | None, new: float, decay: float) -> float:
@@ -54,18 +67,30 @@ class StepPrices:
     runs (`record`): the forward time of one-row steps, how much dearer than the curve's prediction the
     extra rows came out (one factor per batch bucket, learnt from every height fed), and the seconds per
     sequence that drafted and plain steps spend outside the forward. Drafts are skipped (`drafts`) for 8
-    steps wherever recent drafted steps were expected, at these prices, to commit less than `PAYS_ABOVE`
-    times the tokens per unit of cost of plain steps (16, 32, then 64 steps while each retry finds the
-    same); a one-row step is run where none was seen for `REFRESH_AFTER` steps, so that the prices follow
+    steps wherever recent drafted steps committed, at these prices, less than `PAYS_ABOVE` times the tokens
+    per unit of cost of plain steps (see PROPOSING_SHARE for which steps count), then 16, 32 and 64 steps
+    while each retry finds the same; a one-row step is run where none was seen for `REFRESH_AFTER` steps, so that the prices follow
     growing caches."""
 
     DECAY = 0.8  # weight of the past in the running times: about the last five observations count
     # Sums over more steps: a drafted step's worth swings from nothing (no draft worth feeding) to several
     # tokens, and steps timed on a busy machine swing by tens of per cent.
     SUM_DECAY = 0.95
-    # Drafts must be expected to beat plain steps by this much: the budget's expectation ran 6% above the tokens
-    # got at 8 sequences (bfloat16, 2-core Xeon), and near even a drafted step gains nothing worth its risk.
-    PAYS_ABOVE = 1.1
+    # Whether drafts pay is judged over about the last hundred drafted steps, and not before JUDGED_AFTER of
+    # them (again after each pause): text runs in stretches with nothing to draft between stretches of long
+    # copies. Judged over twenty steps, from the first one, and after a pause from its one retry, such stretches
+    # paused drafting for up to 64 steps at a time and lost the copies after them (one sequence, float32,
+    # MT-bench: 1.10-1.16x our plain loop against 1.26-1.30x never pausing).
+    GAIN_DECAY = 0.99
+    JUDGED_AFTER = 16
+    # Drafts pause where the steps that fed drafts did not pay for their rows; and where proposing alone
+    # (finding, ranking, verifying drafts) costs more than PROPOSING_SHARE of a one-row step, also where all
+    # drafted steps together, those that found nothing worth feeding too, did not pay. Proposing costs 2-4% of
+    # a step at one sequence (float32, 2 cores), 10-15 ms of 80 at sixteen.
+    PROPOSING_SHARE = 0.1
+    # Drafted steps must beat plain ones by this much: their costs are priced, not timed one by one, and near
+    # even a drafted step gains nothing worth its risk.
+    PAYS_ABOVE = 1.05
     RETRY_AFTER = (8, 64)  # steps without drafts once they were found not to pay: the first pause, the longest
     REFRESH_AFTER = 64
 
@@ -95,24 +120,29 @@ class StepPrices:
         """Whether the next step of `batch` sequences should propose drafts at all."""
         seen = self._bucket(batch)
         seen.one_row_age += 1
-        if seen.plain_left > 0:  # a pause: its last step tries drafts again
+        if seen.plain_left > 0:  # a pause: after it, drafts are judged afresh over JUDGED_AFTER drafted steps
             seen.plain_left -= 1
+            if seen.plain_left == 0:
+                seen.drafted, seen.fed = _Gain(), _Gain()
             return seen.plain_left == 0
-        if seen.gain is not None and seen.gain < self.PAYS_ABOVE:
+        proposing = self._outside(seen, batch, drafted=True) - self._outside(seen, batch, drafted=False)
+        if seen.fed.below(self.PAYS_ABOVE, self.JUDGED_AFTER) or (
+                proposing > self.PROPOSING_SHARE and seen.drafted.below(self.PAYS_ABOVE, self.JUDGED_AFTER)):
             first, last = self.RETRY_AFTER
             seen.retry_after = min(max(2 * seen.retry_after, first), last)
             seen.plain_left = seen.retry_after
             return False
-        seen.retry_after = 0
+        if seen.drafted.steps >= self.JUDGED_AFTER:  # judged, and found to pay
+            seen.retry_after = 0
         # A plain step for the price of every other: once drafts have been tried, then now and then.
         unpriced = seen.one_row is None or False not in seen.overhead
         return not (True in seen.overhead and unpriced or seen.one_row_age > self.REFRESH_AFTER)
 
     def record(self, batch: int, height: int, forward_seconds: float, overhead_seconds: float,
-               drafted: bool, expected_tokens: float | None = None) -> None:
+               drafted: bool, tokens: int | None = None) -> None:
         """A step of `batch` sequences padded to `height` rows: its forward's seconds, the seconds spent
-        outside it (planning, verifying), whether it carried drafts and, if it did, the tokens the budget
-        expected of it."""
+        outside it (planning, verifying), whether it carried drafts and, if it did, the tokens its sequences
+        committed."""
         seen, curve = self._bucket(batch), self._curve(batch)
         if height == 1:  # a step slowed by something else on the machine counts as at most 1.5 of the usual
             usual = min(forward_seconds, 1.5 * seen.one_row) if seen.one_row else forward_seconds
@@ -121,7 +151,9 @@ class StepPrices:
             seen.rows_found = seen.rows_found * self.SUM_DECAY + forward_seconds / seen.one_row - 1.0
             seen.rows_priced = seen.rows_priced * self.SUM_DECAY + curve(height) - 1.0
         seen.overhead[drafted] = _running(seen.overhead.get(drafted), overhead_seconds / batch, self.DECAY)
-        if drafted and expected_tokens is not None:
-            seen.expected = seen.expected * self.SUM_DECAY + expected_tokens / batch
+        if drafted and tokens is not None:
             plain = 1.0 + self._outside(seen, batch, drafted=False)  # what a plain step costs, likewise
-            seen.spent = seen.spent * self.SUM_DECAY + self.cost(batch)(height) / plain
+            cost = self.cost(batch)(height) / plain
+            seen.drafted.add(tokens / batch, cost, self.GAIN_DECAY)
+            if height > 1:
+                seen.fed.add(tokens / batch, cost, self.GAIN_DECAY)
