@@ -33,6 +33,7 @@ from lookahead import cli, engine, quant
 from lookahead.baseline import hf_generate
 from lookahead.core.prices import StepPrices
 from lookahead.models import cache_root, load_model
+from lookahead.runtime.batch import StepInput
 
 TINY_VOCAB = 128
 _COMMON = dict(
@@ -221,3 +222,15 @@ def run_cli(*args: str) -> CliResult:
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return CliResult(result.exit_code, result.stdout, result.stderr)
+
+
+def random_tree_step(size: int, generator: torch.Generator) -> StepInput:
+    """A step of `size` rows: a random tree (each row attends a random earlier row's ancestors and itself)."""
+    parents = [-1] + [int(torch.randint(row, (1,), generator=generator)) for row in range(1, size)]
+    allowed = torch.eye(size, dtype=torch.bool)
+    depth = [0] * size
+    for row in range(1, size):
+        allowed[row] |= allowed[parents[row]]
+        depth[row] = depth[parents[row]] + 1
+    tokens = torch.randint(3, 128, (size,), generator=generator)
+    return StepInput(tokens, torch.tensor(depth), allowed, torch.arange(size))

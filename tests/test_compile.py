@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model, reference_greedy, run_cli
+from conftest import make_tiny_model, random_tree_step, reference_greedy, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,18 +23,6 @@ from lookahead.hf import COMPILED_HEIGHTS, HFModelRunner
 from lookahead.runtime.batch import StepInput, causal_step, pack_steps, pad_batch
 
 
-def _random_step(size: int, generator: torch.Generator) -> StepInput:
-    """A step of `size` rows: a random tree (each row attends a random earlier row's ancestors and itself)."""
-    parents = [-1] + [int(torch.randint(row, (1,), generator=generator)) for row in range(1, size)]
-    allowed = torch.eye(size, dtype=torch.bool)
-    depth = [0] * size
-    for row in range(1, size):
-        allowed[row] |= allowed[parents[row]]
-        depth[row] = depth[parents[row]] + 1
-    tokens = torch.randint(3, 128, (size,), generator=generator)
-    return StepInput(tokens, torch.tensor(depth), allowed, torch.arange(size))
-
-
 @settings(max_examples=100)  # each example runs three forwards
 @given(seed=st.integers(0, 2**16), sizes=st.lists(st.integers(1, 7), min_size=1, max_size=3),
        others=st.integers(0, 2), order=st.randoms())
@@ -44,6 +32,7 @@ def test_padding_a_step_changes_no_logit(llama_tiny, seed, sizes, others, order)
     unpadded (eager, so that only the padding differs), for sequences of different lengths in any slots."""
     generator = torch.Generator().manual_seed(seed)
     runner = HFModelRunner(llama_tiny, packed_linear=False)
+    runner.ragged_steps = False  # the padding computed, as compiled steps compute it
     every = list(range(len(sizes) + others))
     lengths = [int(torch.randint(1, 20, (1,), generator=generator)) for _ in every]
     stores = [runner.new_store(len(every), 64) for _ in range(2)]
@@ -55,7 +44,7 @@ def test_padding_a_step_changes_no_logit(llama_tiny, seed, sizes, others, order)
         store.release(every[-1])  # an empty slot: padded, or starting a sequence
     lengths[-1] = 0
     slots = order.sample(every, len(sizes))
-    batch = pack_steps(slots, [lengths[s] for s in slots], [_random_step(n, generator) for n in sizes])
+    batch = pack_steps(slots, [lengths[s] for s in slots], [random_tree_step(n, generator) for n in sizes])
     plain = runner.forward(stores[0], batch)
     padded = runner.forward(stores[1], pad_batch(batch, lengths, 8, 64, every))
     torch.testing.assert_close(padded[torch.tensor(slots)], plain, rtol=1e-5, atol=1e-5)

@@ -12,8 +12,9 @@ bfloat16, float32 within noise (docs/benchmarks.md, session 18).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -30,10 +31,13 @@ def stacked_heads_attention(module: torch.nn.Module, query: torch.Tensor, key: t
                             scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query [B, heads, Q, D], key and value [B, kv heads, L, D], an
     additive or boolean mask [B, 1, Q, L]; returns [B, Q, heads, D], as transformers' SDPA path does."""
-    batch, heads, rows, dim = query.shape
-    group = heads // key.shape[1]
     # Compiled forwards are all ours (`HFModelRunner`); eagerly, another thread may be transformers' own.
     ours = torch.compiler.is_compiling() or getattr(_THREAD, "ours", False)
+    ragged = getattr(_THREAD, "ragged", None) if ours else None
+    if ragged is not None:
+        return _ragged_attention(module, query, key, value, attention_mask, ragged, dropout, scaling, **kwargs)
+    batch, heads, rows, dim = query.shape
+    group = heads // key.shape[1]
     if (not ours or group == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
             or any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in _ITS_OWN)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -42,6 +46,96 @@ def stacked_heads_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     out = torch.nn.functional.scaled_dot_product_attention(
         stacked, key, value, attn_mask=_repeated(attention_mask, group), dropout_p=dropout, scale=scaling)
     return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One attention call of a ragged forward: the query rows `rows` ([n, r] indices into the flattened
+    rows; a padding entry points at the zero row appended after them) of the sequences `sequences` (a slice
+    of the batch, so that their keys are a view), against the mask's rows `mask_rows`."""
+
+    sequences: slice
+    rows: torch.Tensor
+    mask_rows: slice
+    real: torch.Tensor | None  # where `rows` has padding: the real entries, flattened (None: all are)
+
+
+@dataclass(frozen=True)
+class RaggedLayout:
+    """Where a ragged forward's rows go in attention (`ragged_rows`). Every sequence's first rows, as many as
+    the shortest has, go in one call over the whole batch; the rest of each longer sequence goes in a call of
+    its own over its own keys, or, where padding them to the tallest would less than double their rows, in
+    one more call over the batch so padded. One call padded to the tallest sequence would read every
+    sequence's keys once per block of query rows: 8 sequences over 300 positions, one of them 16 rows tall and
+    the others one row, spent 47 ms a step in attention against 17 ms for 8 one-row sequences (float32, 2
+    cores); a prompt of 779 tokens beside seven of 40-364 would pad each of them to 779 rows."""
+
+    parts: tuple[_Part, ...]
+    count: int  # rows in all
+
+    @staticmethod
+    def of(sizes: Sequence[int], device: torch.device) -> RaggedLayout:
+        starts = [sum(sizes[:b]) for b in range(len(sizes))]
+        count, common, tallest = sum(sizes), min(sizes), max(sizes)
+        rows = torch.tensor([[start + r for r in range(common)] for start in starts], device=device)
+        parts = [_Part(slice(0, len(sizes)), rows, slice(0, common), None)]
+        taller = [b for b, size in enumerate(sizes) if size > common]
+        if 2 * (count - common * len(sizes)) > (tallest - common) * len(sizes):  # padding less than doubles them
+            rest = torch.tensor([[start + r if r < size else count for r in range(common, tallest)]
+                                 for start, size in zip(starts, sizes)], device=device)
+            parts.append(_Part(slice(0, len(sizes)), rest, slice(common, tallest), (rest < count).view(-1)))
+        else:
+            parts += [_Part(slice(b, b + 1), torch.arange(starts[b] + common, starts[b] + sizes[b], device=device)[None],
+                            slice(common, sizes[b]), None) for b in taller]
+        return RaggedLayout(tuple(parts), count)
+
+
+def _ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor, layout: RaggedLayout, dropout: float, scaling: float | None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention for a ragged forward: the query's rows [1, heads, N, D] are every sequence's rows one after
+    another, the keys and values [B, kv heads, L, D] and the mask [B, 1, h, L] per sequence as in a padded
+    step; each part of `layout` is laid out as a padded step and run through the usual path."""
+    heads, dim = query.shape[1], query.shape[3]
+    flat = torch.cat([query[0].transpose(0, 1), query.new_zeros(1, heads, dim)])  # [N + 1, heads, D]
+    out = query.new_empty(layout.count, heads, dim)
+    _THREAD.ragged = None  # the parts run through the padded path
+    try:
+        for part in layout.parts:
+            sequences, rows = part.sequences, part.rows.shape[1]
+            padded = flat[part.rows].transpose(1, 2)  # [n, heads, r, D]
+            result, _ = stacked_heads_attention(module, padded, key[sequences], value[sequences],
+                                                attention_mask[sequences, :, part.mask_rows], dropout, scaling,
+                                                **kwargs)
+            result = result.reshape(-1, heads, dim)  # [n * r, heads, D]
+            if part.real is None:
+                out[part.rows.view(-1)] = result
+            else:
+                out[part.rows.view(-1)[part.real]] = result[part.real]
+    finally:
+        _THREAD.ragged = layout
+    return out.unsqueeze(0), None
+
+
+@contextmanager
+def ragged_rows(layout: RaggedLayout) -> Iterator[None]:
+    """Inside, our forwards take several sequences' steps flattened into one sequence, the sequences' rows one
+    after another (no padding between them): the model's layers compute only those rows, and attention lays
+    them out per sequence again (`RaggedLayout`). The mask, keys and values stay per sequence, as in a padded
+    step. For use inside `stacked_heads`."""
+    outer = getattr(_THREAD, "ragged", None)
+    _THREAD.ragged = layout
+    try:
+        yield
+    finally:
+        _THREAD.ragged = outer
+
+
+def routes(model: PreTrainedModel) -> bool:
+    """Whether `stacked_heads` routes this model's attention through `stacked_heads_attention` (which ragged
+    forwards need): SDPA on a CPU."""
+    config = model.config.get_text_config(decoder=True)
+    return model.device.type == "cpu" and config._attn_implementation in ("sdpa", NAME)
 
 
 _REPEATED: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id(mask) -> (mask, group, repeated)

@@ -266,7 +266,8 @@ class Engine:
         self.stats.phase_seconds["forward"] = self.stats.phase_seconds.get("forward", 0.0) + forward
         self.stats.phase_seconds["inputs"] -= forward  # the lap ran the forward
         self.stats.steps += 1
-        self.stats.tokens_fed += batch.tokens.numel()
+        fed = sum(batch.sizes) if self.runner.ragged else batch.tokens.numel()  # rows the forward computed
+        self.stats.tokens_fed += fed
         outputs, kept, failed, committed = [], [], {}, 0
         for row, (request, plan) in enumerate(zip(decoding, plans)):
             pick = batch.picks[row]
@@ -350,7 +351,8 @@ class Engine:
             self._slots[request.slot] = request
 
     def _prefill(self) -> None:
-        """One forward of prompt chunks: joining requests in order, while the padded chunk fits the budget."""
+        """One forward of prompt chunks: joining requests in order, while the rows the forward computes (each
+        chunk's own in a ragged step, else every chunk padded to the tallest) fit the budget."""
         joining = [r for r in self._slots if r is not None and not r.decoding]
         joining.sort(key=lambda r: r.id)
         chosen: list[tuple[_Request, int]] = []
@@ -359,7 +361,8 @@ class Engine:
             height = max([chunk] + [c for _, c in chosen])
             # Every chunk is padded to the tallest: the padding must still fit each slot's store.
             fits = all(r.prefilled + height <= self.store.capacity for r, _ in [*chosen, (request, chunk)])
-            if chosen and (height * (len(chosen) + 1) > self.prefill_chunk or not fits):
+            rows = chunk + sum(c for _, c in chosen) if self.runner.ragged else height * (len(chosen) + 1)
+            if chosen and (rows > self.prefill_chunk or not fits):
                 break
             chosen.append((request, chunk))
         if not chosen:

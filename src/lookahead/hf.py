@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from .attention import stacked_heads
+from .attention import RaggedLayout, ragged_rows, routes, stacked_heads
 from .runtime.batch import StepBatch, causal_step, pack_steps, pad_batch
 from .runtime.kv import KVStore
 
@@ -236,6 +236,8 @@ class HFModelRunner:
         self.compile_seconds: dict[int, float] = {}  # step height -> seconds of its first (compiling) call
         self._packed: PackedLinears | None = None
         self.packed_from: int | None = None  # steps this long or longer run packed
+        # Eager steps of sequences of different heights run ragged (see `ragged`); False: always padded.
+        self.ragged_steps = True
         if self.packing:
             self.use_packed(self.packers[0], 1)
 
@@ -259,6 +261,14 @@ class HFModelRunner:
     def packer(self) -> str | None:
         """The packer steps of `packed_from` rows or more run through, if any."""
         return None if self._packed is None else self._packed.packer
+
+    @property
+    def ragged(self) -> bool:
+        """Whether steps whose sequences feed different numbers of rows run ragged: their rows flattened into
+        one sequence, so that the layers compute no padding rows (attention alone lays them out per sequence,
+        `attention.ragged_rows`). Eager steps where our attention function runs (SDPA on a CPU); a compiled
+        step is padded to a fixed shape anyway."""
+        return self.ragged_steps and self._compiled is None and routes(self.model)
 
     def _forward(self, input_ids: torch.Tensor, compiled: bool = False, **kwargs):
         start = time.perf_counter()
@@ -336,6 +346,8 @@ class HFModelRunner:
             logits = self._forward_compiled(store, batch)
             if logits is not None:
                 return logits
+        if batch.padded and self.ragged:
+            return self._forward_ragged(store, batch)
         store.begin(batch.slots, batch.height, batch.visible.shape[-1], self.device)
         out = self._call(store, batch, logits_to_keep=batch.logit_rows.to(self.device))
         if not store.allocated():
@@ -366,6 +378,25 @@ class HFModelRunner:
             **{self.cache_argument: store},
             **({"logits_to_keep": logits_to_keep} if self.keeps_some_logits else {}),
         )
+
+    def _forward_ragged(self, store: KVStore, batch: StepBatch) -> torch.Tensor:
+        """`forward` with the sequences' rows flattened into one sequence of sum(sizes) rows: the model's
+        layers compute no padding rows; each sequence's logit rows past its own rows repeat its last row."""
+        count, height = len(batch.slots), batch.height
+        rows = batch.real_rows()
+        place = torch.full((count * height,), -1, dtype=torch.long)  # flattened row -> its place among `rows`
+        place[rows] = torch.arange(rows.numel())
+        sizes = torch.tensor(batch.sizes)
+        wanted = torch.minimum(batch.logit_rows.view(1, -1), (sizes - 1).view(-1, 1))  # [B, U]
+        logit_places = place[(torch.arange(count) * height).view(-1, 1) + wanted].view(-1)
+        store.begin(batch.slots, height, batch.visible.shape[-1], self.device, ragged=rows)
+        with ragged_rows(RaggedLayout.of(batch.sizes, self.device)):
+            out = self._forward(input_ids=batch.tokens.view(1, -1)[:, rows].to(self.device),
+                                position_ids=batch.positions.view(1, -1)[:, rows].to(self.device),
+                                attention_mask=self._attention_mask(batch), **{self.cache_argument: store},
+                                **({"logits_to_keep": logit_places.to(self.device)} if self.keeps_some_logits else {}))
+        logits = out.logits[0] if self.keeps_some_logits else out.logits[0, logit_places.to(self.device)]
+        return logits.view(count, -1, logits.shape[-1])
 
     def _forward_compiled(self, store: KVStore, batch: StepBatch) -> torch.Tensor | None:
         """The step padded to a compiled height and run compiled; None where it runs eagerly (a prefill chunk

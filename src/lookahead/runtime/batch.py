@@ -37,10 +37,19 @@ class StepBatch:
     key_positions: torch.Tensor  # [B, attend] long: the position of the token cached at each column
     logit_rows: torch.Tensor  # [U] long: every row any sequence reads, sorted
     picks: list[torch.Tensor | None]  # per sequence: its rows' places in `logit_rows` (None: all of them)
+    sizes: tuple[int, ...]  # per sequence: its rows before the padding
 
     @property
     def height(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def padded(self) -> bool:
+        return any(size < self.height for size in self.sizes)
+
+    def real_rows(self) -> torch.Tensor:
+        """[sum(sizes)] long: the rows that are not padding, as indices into the [B * h] flattened rows."""
+        return torch.cat([b * self.height + torch.arange(size) for b, size in enumerate(self.sizes)])
 
 
 def pack_steps(slots: Sequence[int], lengths: Sequence[int], steps: Sequence[StepInput]) -> StepBatch:
@@ -71,7 +80,7 @@ def pack_steps(slots: Sequence[int], lengths: Sequence[int], steps: Sequence[Ste
     key_positions[sequence[:, None], step_columns] = positions
     logit_rows, picks = _shared_rows([step.logit_rows for step in steps])
     return StepBatch(list(slots), torch.from_numpy(tokens), torch.from_numpy(positions), torch.from_numpy(visible),
-                     torch.from_numpy(key_positions), logit_rows, picks)
+                     torch.from_numpy(key_positions), logit_rows, picks, tuple(step.tokens.numel() for step in steps))
 
 
 def _shared_rows(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -131,5 +140,7 @@ def pad_batch(batch: StepBatch, cached: Sequence[int], height: int, attend: int,
     own = starts[sequence] + row  # where each extra row's key is written
     visible[sequence, row, own] = True
     key_positions[sequence, own] = positions[sequence, row]
+    sizes = np.zeros(count, dtype=np.int64)  # slots not in the batch: padding alone
+    sizes[place] = batch.sizes
     return StepBatch(slots, torch.from_numpy(tokens), torch.from_numpy(positions), torch.from_numpy(visible),
-                     torch.from_numpy(key_positions), batch.logit_rows, batch.picks)
+                     torch.from_numpy(key_positions), batch.logit_rows, batch.picks, tuple(sizes.tolist()))

@@ -32,13 +32,16 @@ class KVStore(Cache):
         self._slot_index: torch.Tensor | None = None  # [B, 1, 1] the same slots, as an index
         self._write: torch.Tensor | None = None  # [B, 1, q] position each new row is written at
         self._flat: tuple[int, torch.Tensor] | None = None  # key/value heads, and `_flat_rows` for them
+        self._ragged: tuple[torch.Tensor, torch.Tensor] | None = None  # a ragged forward's slot and position per row
         # The positions attention reads, as the length of a tensor rather than an int, marked dynamic (as is
         # every buffer's capacity): a compiled forward takes them as sizes instead of compiling per length.
         self._span = torch.empty(0, dtype=torch.uint8)
 
-    def begin(self, slots: Sequence[int], rows: int, attend: int, device: torch.device) -> None:
+    def begin(self, slots: Sequence[int], rows: int, attend: int, device: torch.device,
+              ragged: torch.Tensor | None = None) -> None:
         """Set up a forward whose batch row b feeds `rows` rows for slot `slots[b]`; attention reads the
-        first `attend` positions of each slot."""
+        first `attend` positions of each slot. `ragged`: the forward feeds only these of the [B * rows]
+        rows (indices b * rows + r), flattened into one sequence, and writes only theirs (eager only)."""
         starts = torch.tensor([self.lengths[slot] for slot in slots], dtype=torch.long)
         end = int(starts.max()) + rows
         if end > self.capacity or attend > self.capacity:
@@ -54,6 +57,11 @@ class KVStore(Cache):
         self._count = torch.empty(len(slots), dtype=torch.uint8)
         self._write = (starts[:, None] + torch.arange(rows)).view(len(slots), 1, rows).to(device)
         self._flat = None
+        if ragged is not None:
+            sequence = ragged // rows
+            self._ragged = (torch.tensor(slots)[sequence].to(device), (starts[sequence] + ragged % rows).to(device))
+        else:
+            self._ragged = None
         self._span = torch.empty(attend, dtype=torch.uint8)
         for tensor, dim in ((self._span, 0), (self._count, 0), (self._slot_index, 0), (self._write, 0),
                             (self._write, 2)):
@@ -93,7 +101,11 @@ class KVStore(Cache):
         order (sequence, head, row) of the keys and values a layer hands over."""
         if self._flat is None or self._flat[0] != heads:
             head = torch.arange(heads, device=self._write.device).view(1, -1, 1)
-            self._flat = heads, ((self._slot_index * heads + head) * self.capacity + self._write).view(-1)
+            if self._ragged is None:
+                self._flat = heads, ((self._slot_index * heads + head) * self.capacity + self._write).view(-1)
+            else:  # keys and values of one flattened sequence, [1, heads, rows, head dim]
+                slot, position = self._ragged
+                self._flat = heads, ((slot * heads + head) * self.capacity + position).view(-1)
         return self._flat[1]
 
     def _slots_of(self, buffer: torch.Tensor) -> torch.Tensor:
