@@ -99,8 +99,7 @@ def _ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     heads, dim = query.shape[1], query.shape[3]
     flat = torch.cat([query[0].transpose(0, 1), query.new_zeros(1, heads, dim)])  # [N + 1, heads, D]
     out = query.new_empty(layout.count, heads, dim)
-    _THREAD.ragged = None  # the parts run through the padded path
-    try:
+    with _on_this_thread("ragged", None):  # the parts run through the padded path
         for part in layout.parts:
             sequences, rows = part.sequences, part.rows.shape[1]
             padded = flat[part.rows].transpose(1, 2)  # [n, heads, r, D]
@@ -112,8 +111,6 @@ def _ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                 out[part.rows.view(-1)] = result
             else:
                 out[part.rows.view(-1)[part.real]] = result[part.real]
-    finally:
-        _THREAD.ragged = layout
     return out.unsqueeze(0), None
 
 
@@ -123,12 +120,19 @@ def ragged_rows(layout: RaggedLayout) -> Iterator[None]:
     after another (no padding between them): the model's layers compute only those rows, and attention lays
     them out per sequence again (`RaggedLayout`). The mask, keys and values stay per sequence, as in a padded
     step. For use inside `stacked_heads`."""
-    outer = getattr(_THREAD, "ragged", None)
-    _THREAD.ragged = layout
+    with _on_this_thread("ragged", layout):
+        yield
+
+
+@contextmanager
+def _on_this_thread(name: str, value: object) -> Iterator[None]:
+    """`_THREAD.<name>` is `value` inside, and what it was after."""
+    outer = getattr(_THREAD, name, None)
+    setattr(_THREAD, name, value)
     try:
         yield
     finally:
-        _THREAD.ragged = outer
+        setattr(_THREAD, name, outer)
 
 
 def routes(model: PreTrainedModel) -> bool:
@@ -180,12 +184,10 @@ def stacked_heads(model: PreTrainedModel) -> Iterator[None]:
     if entry is None:
         yield
         return
-    outer = getattr(_THREAD, "ours", False)
-    _THREAD.ours = True
     try:
-        yield
+        with _on_this_thread("ours", True):
+            yield
     finally:
-        _THREAD.ours = outer
         _REPEATED.clear()
         with _SWITCH:
             entry[1] -= 1
