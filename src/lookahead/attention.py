@@ -101,7 +101,7 @@ def _ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out = query.new_empty(layout.count, heads, dim)
     with _on_this_thread("ragged", None):  # the parts run through the padded path
         for part in layout.parts:
-            sequences, rows = part.sequences, part.rows.shape[1]
+            sequences = part.sequences
             padded = flat[part.rows].transpose(1, 2)  # [n, heads, r, D]
             result, _ = stacked_heads_attention(module, padded, key[sequences], value[sequences],
                                                 attention_mask[sequences, :, part.mask_rows], dropout, scaling,
@@ -170,10 +170,10 @@ def stacked_heads(model: PreTrainedModel) -> Iterator[None]:
     model runs SDPA on a CPU; its own setting is back once no forward of ours runs on it. Other threads
     (transformers' `generate` of the same model beside a server's engine) meanwhile reach the function too,
     which runs transformers' SDPA path for them, unchanged."""
-    config = model.config.get_text_config(decoder=True)  # whose attention layers our forwards run
-    if model.device.type != "cpu":
+    if not routes(model):
         yield
         return
+    config = model.config.get_text_config(decoder=True)  # whose attention layers our forwards run
     with _SWITCH:
         entry = _SWITCHED.get(id(config))
         if entry is None and config._attn_implementation == "sdpa":

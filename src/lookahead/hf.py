@@ -388,14 +388,14 @@ class HFModelRunner:
         place[rows] = torch.arange(rows.numel())
         sizes = torch.tensor(batch.sizes)
         wanted = torch.minimum(batch.logit_rows.view(1, -1), (sizes - 1).view(-1, 1))  # [B, U]
-        logit_places = place[(torch.arange(count) * height).view(-1, 1) + wanted].view(-1)
+        logit_places = place[(torch.arange(count) * height).view(-1, 1) + wanted].view(-1).to(self.device)
         store.begin(batch.slots, height, batch.visible.shape[-1], self.device, ragged=rows)
         with ragged_rows(RaggedLayout.of(batch.sizes, self.device)):
             out = self._forward(input_ids=batch.tokens.view(1, -1)[:, rows].to(self.device),
                                 position_ids=batch.positions.view(1, -1)[:, rows].to(self.device),
                                 attention_mask=self._attention_mask(batch), **{self.cache_argument: store},
-                                **({"logits_to_keep": logit_places.to(self.device)} if self.keeps_some_logits else {}))
-        logits = out.logits[0] if self.keeps_some_logits else out.logits[0, logit_places.to(self.device)]
+                                **({"logits_to_keep": logit_places} if self.keeps_some_logits else {}))
+        logits = out.logits[0] if self.keeps_some_logits else out.logits[0, logit_places]
         return logits.view(count, -1, logits.shape[-1])
 
     def _forward_compiled(self, store: KVStore, batch: StepBatch) -> torch.Tensor | None:
