@@ -305,3 +305,33 @@ def test_a_context_too_short_to_time_steps_in_is_refused_by_name():
     model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=1, n_head=2)).eval()
     with pytest.raises(UnsupportedModelError, match="the model's context of 64 positions is too short"):
         generate(model, [5, 6, 7], max_new_tokens=4)
+
+
+def test_prompt_chunks_ride_in_the_forward_of_the_decoding_step(llama_tiny):
+    """A prompt that joins while others decode is fed chunk by chunk inside their steps: one forward per
+    step, the prompt's rows in it, and every output still its own greedy one."""
+    engine = Engine(llama_tiny, max_batch=3, max_length=200, prefill_chunk=16)
+    prompts = prompts_of([7, 11, 45], seed=9)
+    params = [RequestParams(max_new_tokens=n, eos_token_id=[]) for n in (30, 24, 20)]
+    ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts[:2], params)]
+    outputs: dict[int, list[int]] = {}
+
+    def step() -> None:
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.tokens)
+
+    step()  # the first two prompts in a forward of their own, then their first step
+    ids.append(engine.add_request(prompts[2], params[2]))
+    fed_before = engine.stats.tokens_fed
+    with ForwardRecorder(llama_tiny) as recorder:
+        while engine.has_unfinished():
+            forwards = len(recorder.sizes)
+            step()
+            assert len(recorder.sizes) == forwards + 1
+    # The forwards computed the decoding rows and the prompt's own rows (its last token is its first step's):
+    # no padding, no forward of its own.
+    assert sum(recorder.sizes) == engine.stats.tokens_fed - fed_before + prompts[2].numel() - 1
+    for request, prompt, p in zip(ids, prompts, params):
+        expected = reference_greedy(llama_tiny, prompt.view(1, -1), p.max_new_tokens, eos_token_id=[])
+        assert outputs[request] == expected[0, prompt.numel():].tolist()
+

@@ -187,13 +187,17 @@ def test_a_ragged_step_computes_what_the_padded_step_computes(tiny_model, seed, 
             torch.testing.assert_close(ours[slot, :, :end], theirs[slot, :, :end], rtol=1e-5, atol=1e-5)
 
 
-@given(sizes=st.lists(st.integers(1, 12), min_size=1, max_size=9))
-def test_a_ragged_layout_puts_every_row_in_one_attention_call_at_its_own_mask_row(sizes):
-    layout = RaggedLayout.of(sizes, torch.device("cpu"))
+@given(sized=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 40)), min_size=1, max_size=9))
+def test_a_ragged_layout_puts_every_row_in_one_attention_call_at_its_own_mask_row(sized):
+    sizes, cached = [size for size, _ in sized], [length for _, length in sized]
+    layout = RaggedLayout.of(sizes, cached, torch.device("cpu"))
     starts = [sum(sizes[:b]) for b in range(len(sizes))]
     seen = []
     for part in layout.parts:
-        for index, b in enumerate(range(*part.sequences.indices(len(sizes)))):
+        sequences = range(*part.sequences.indices(len(sizes)))
+        # The keys a call reads reach as far as its farthest sequence's rows, and no farther.
+        assert part.keys == max(cached[b] + sizes[b] for b in sequences)
+        for index, b in enumerate(sequences):
             for place, row in zip(range(*part.mask_rows.indices(max(sizes))), part.rows[index].tolist()):
                 if row == layout.count:  # padding: the zero row
                     assert place >= sizes[b]

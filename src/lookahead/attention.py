@@ -52,12 +52,14 @@ def stacked_heads_attention(module: torch.nn.Module, query: torch.Tensor, key: t
 class _Part:
     """One attention call of a ragged forward: the query rows `rows` ([n, r] indices into the flattened
     rows; a padding entry points at the zero row appended after them) of the sequences `sequences` (a slice
-    of the batch, so that their keys are a view), against the mask's rows `mask_rows`."""
+    of the batch, so that their keys are a view), against the mask's rows `mask_rows` and the first `keys`
+    key columns (as far as any of those sequences' rows reaches)."""
 
     sequences: slice
     rows: torch.Tensor
     mask_rows: slice
     real: torch.Tensor | None  # where `rows` has padding: the real entries, flattened (None: all are)
+    keys: int
 
 
 @dataclass(frozen=True)
@@ -68,25 +70,31 @@ class RaggedLayout:
     one more call over the batch so padded. One call padded to the tallest sequence would read every
     sequence's keys once per block of query rows: 8 sequences over 300 positions, one of them 16 rows tall and
     the others one row, spent 47 ms a step in attention against 17 ms for 8 one-row sequences (float32, 2
-    cores); a prompt of 779 tokens beside seven of 40-364 would pad each of them to 779 rows."""
+    cores); a prompt of 779 tokens beside seven of 40-364 would pad each of them to 779 rows. Each call reads
+    keys only as far as its sequences' rows reach: the step's key columns run to the longest cache plus the
+    tallest sequence (a prompt chunk of 256 rows beside 15 one-row sequences over 300 cached positions had
+    them read 556 columns of keys, not 301)."""
 
     parts: tuple[_Part, ...]
     count: int  # rows in all
 
     @staticmethod
-    def of(sizes: Sequence[int], device: torch.device) -> RaggedLayout:
+    def of(sizes: Sequence[int], cached: Sequence[int], device: torch.device) -> RaggedLayout:
+        """`sizes[b]`: sequence b's rows; `cached[b]`: the positions it had cached before them."""
         starts = [sum(sizes[:b]) for b in range(len(sizes))]
+        ends = [length + size for length, size in zip(cached, sizes)]  # key columns each sequence reads
+        batch = max(ends)
         count, common, tallest = sum(sizes), min(sizes), max(sizes)
         rows = torch.tensor([[start + r for r in range(common)] for start in starts], device=device)
-        parts = [_Part(slice(0, len(sizes)), rows, slice(0, common), None)]
+        parts = [_Part(slice(0, len(sizes)), rows, slice(0, common), None, batch)]
         taller = [b for b, size in enumerate(sizes) if size > common]
         if 2 * (count - common * len(sizes)) > (tallest - common) * len(sizes):  # padding less than doubles them
             rest = torch.tensor([[start + r if r < size else count for r in range(common, tallest)]
                                  for start, size in zip(starts, sizes)], device=device)
-            parts.append(_Part(slice(0, len(sizes)), rest, slice(common, tallest), (rest < count).view(-1)))
+            parts.append(_Part(slice(0, len(sizes)), rest, slice(common, tallest), (rest < count).view(-1), batch))
         else:
             parts += [_Part(slice(b, b + 1), torch.arange(starts[b] + common, starts[b] + sizes[b], device=device)[None],
-                            slice(common, sizes[b]), None) for b in taller]
+                            slice(common, sizes[b]), None, ends[b]) for b in taller]
         return RaggedLayout(tuple(parts), count)
 
 
@@ -103,9 +111,10 @@ def _ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         for part in layout.parts:
             sequences = part.sequences
             padded = flat[part.rows].transpose(1, 2)  # [n, heads, r, D]
-            result, _ = stacked_heads_attention(module, padded, key[sequences], value[sequences],
-                                                attention_mask[sequences, :, part.mask_rows], dropout, scaling,
-                                                **kwargs)
+            keys = slice(0, part.keys)
+            result, _ = stacked_heads_attention(module, padded, key[sequences, :, keys], value[sequences, :, keys],
+                                                attention_mask[sequences, :, part.mask_rows, keys], dropout,
+                                                scaling, **kwargs)
             result = result.reshape(-1, heads, dim)  # [n * r, heads, D]
             if part.real is None:
                 out[part.rows.view(-1)] = result

@@ -155,7 +155,8 @@ class Engine:
     """Continuous batching. max_batch: requests decoded together (KV slots); more wait in a queue.
     max_length: the most positions (prompt + new tokens) of any request; None: the model's context,
     at most 4096. prefill_chunk: the most prompt tokens fed per step, so that a joining request delays
-    the others by at most one such forward per step. packed_linear, compile: as in `generate`."""
+    the others by at most one such forward per step (where steps run ragged, the chunks ride in the
+    decoding step's own forward). packed_linear, compile: as in `generate`."""
 
     def __init__(self, model: PreTrainedModel, max_batch: int = 8, max_length: int | None = None,
                  prefill_chunk: int = 512, packed_linear: bool | None = None, compile: bool | str = False) -> None:
@@ -248,16 +249,31 @@ class Engine:
         of every request whose prompt is in; what each request committed."""
         self._laps("other")
         self._admit()
-        self._prefill()
-        self._laps("prefill")
         decoding = [r for r in self._slots if r is not None and r.decoding]
+        chunks = self._prompt_chunks()
+        if chunks and not (decoding and self.runner.ragged):
+            # Nothing to ride along with, or padded steps (each sequence padded to a prompt chunk's height):
+            # a forward of their own, and prompts it completes decode in this step.
+            self._feed_prompts(chunks)
+            chunks = []
+            decoding = [r for r in self._slots if r is not None and r.decoding]
+        self._laps("prefill")
         if not decoding:
             return []
         started, compiled = time.perf_counter(), len(self.runner.compile_seconds)
         plans, drafted, priced = self._plans(decoding)
-        batch = pack_steps([r.slot for r in decoding], [self.store.lengths[r.slot] for r in decoding],
-                           [StepInput(p.tokens, p.layout.offsets, p.layout.allowed, p.layout.logit_rows)
-                            for p in plans])
+        steps = [StepInput(p.tokens, p.layout.offsets, p.layout.allowed, p.layout.logit_rows) for p in plans]
+        # Prompt chunks ride in the decoding step's forward, after the decoding sequences' rows (no logits read):
+        # a ragged step computes only their own rows, and the weights are read once for both. 15 sequences of
+        # 1-3 rows over 300 cached positions beside a joining chunk (float32, 2 cores): a chunk of 16-64 rows
+        # 15-23% cheaper riding than in a forward of its own, 256 rows 3-5%, 512 rows even.
+        prompt_steps = [causal_step(r.prompt[r.prefilled : r.prefilled + c], logits=0) for r, c in chunks]
+        members = decoding + [r for r, _ in chunks]
+        lengths = [self.store.lengths[r.slot] for r in members]
+        if chunks and max(lengths) + max(s.tokens.numel() for s in steps + prompt_steps) > self.store.capacity:
+            self._feed_prompts(chunks)  # riding along, a chunk's height would overrun some slot's store
+            chunks, prompt_steps, members, lengths = [], [], decoding, lengths[: len(decoding)]
+        batch = pack_steps([r.slot for r in members], lengths, steps + prompt_steps)
         self._laps("plan")
         before = self.runner.forward_seconds
         logits = self.runner.forward(self.store, batch)
@@ -266,8 +282,10 @@ class Engine:
         self.stats.phase_seconds["forward"] = self.stats.phase_seconds.get("forward", 0.0) + forward
         self.stats.phase_seconds["inputs"] -= forward  # the lap ran the forward
         self.stats.steps += 1
-        fed = sum(batch.sizes) if self.runner.ragged else batch.tokens.numel()  # rows the forward computed
-        self.stats.tokens_fed += fed
+        self._prompts_fed(chunks)
+        decoded = batch.sizes[: len(decoding)]
+        # Rows the forward computed for decoding (ragged: each sequence's own; padded: every row).
+        self.stats.tokens_fed += sum(decoded) if self.runner.ragged else len(decoded) * batch.height
         outputs, kept, failed, committed = [], [], {}, 0
         for row, (request, plan) in enumerate(zip(decoding, plans)):
             pick = batch.picks[row]
@@ -286,7 +304,8 @@ class Engine:
             if not finished:
                 kept.append((request.slot, result.kept_rows))
         self._laps("verify")
-        if priced and len(self.runner.compile_seconds) == compiled:  # a compiling step says nothing
+        # A compiling step says nothing of a step's price, nor does one that also fed prompt chunks.
+        if priced and len(self.runner.compile_seconds) == compiled and not chunks:
             self.prices.record(len(decoding), batch.height, forward, time.perf_counter() - started - forward,
                                drafted, committed)
         for slot, rows in kept:
@@ -350,9 +369,10 @@ class Engine:
             request.slot = self._slots.index(None)
             self._slots[request.slot] = request
 
-    def _prefill(self) -> None:
-        """One forward of prompt chunks: joining requests in order, while the rows the forward computes (each
-        chunk's own in a ragged step, else every chunk padded to the tallest) fit the budget."""
+    def _prompt_chunks(self) -> list[tuple[_Request, int]]:
+        """The prompt chunks of the next forward: joining requests in order, while the rows the forward
+        computes for them (each chunk's own in a ragged step, else every chunk padded to the tallest) fit
+        the prefill budget."""
         joining = [r for r in self._slots if r is not None and not r.decoding]
         joining.sort(key=lambda r: r.id)
         chosen: list[tuple[_Request, int]] = []
@@ -365,13 +385,19 @@ class Engine:
             if chosen and (rows > self.prefill_chunk or not fits):
                 break
             chosen.append((request, chunk))
-        if not chosen:
-            return
-        # Padding rows of a shorter chunk are written past its end and never kept.
-        batch = pack_steps([r.slot for r, _ in chosen], [r.prefilled for r, _ in chosen],
-                           [causal_step(r.prompt[r.prefilled : r.prefilled + c]) for r, c in chosen])
+        return chosen
+
+    def _feed_prompts(self, chunks: list[tuple[_Request, int]]) -> None:
+        """One forward of prompt chunks alone (padding rows of a shorter chunk are written past its end and
+        never kept)."""
+        batch = pack_steps([r.slot for r, _ in chunks], [r.prefilled for r, _ in chunks],
+                           [causal_step(r.prompt[r.prefilled : r.prefilled + c]) for r, c in chunks])
         self.runner.forward(self.store, batch)
-        for request, chunk in chosen:
+        self._prompts_fed(chunks)
+
+    def _prompts_fed(self, chunks: list[tuple[_Request, int]]) -> None:
+        """Commit the keys and values of prompt chunks a forward wrote."""
+        for request, chunk in chunks:
             self.store.extend(request.slot, chunk)
             request.prefilled += chunk
 

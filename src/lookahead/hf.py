@@ -390,7 +390,7 @@ class HFModelRunner:
         wanted = torch.minimum(batch.logit_rows.view(1, -1), (sizes - 1).view(-1, 1))  # [B, U]
         logit_places = place[(torch.arange(count) * height).view(-1, 1) + wanted].view(-1).to(self.device)
         store.begin(batch.slots, height, batch.visible.shape[-1], self.device, ragged=rows)
-        with ragged_rows(RaggedLayout.of(batch.sizes, self.device)):
+        with ragged_rows(RaggedLayout.of(batch.sizes, [store.lengths[slot] for slot in batch.slots], self.device)):
             out = self._forward(input_ids=batch.tokens.view(1, -1)[:, rows].to(self.device),
                                 position_ids=batch.positions.view(1, -1)[:, rows].to(self.device),
                                 attention_mask=self._attention_mask(batch), **{self.cache_argument: store},
