@@ -97,12 +97,18 @@ def test_a_compiler_failure_warns_and_runs_eagerly(llama_tiny, monkeypatch):
     assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 12))
 
 
-def test_compiled_steps_take_only_mkl_packed_linears(llama_tiny):
-    """oneDNN's packed linears run eagerly only: a bfloat16 model (which MKL's packer does not take) cannot
-    run packed compiled steps; a float32 one can, through MKL's."""
-    with pytest.raises(ValueError, match=r"bfloat16 \(oneDNN, not compiled\)"):
-        HFModelRunner(make_tiny_model("llama").to(torch.bfloat16), packed_linear=True, compile=True)
-    assert HFModelRunner(llama_tiny, compile=True).packers == ("mkl",)
+@pytest.mark.slow  # compiling takes seconds per step shape
+def test_compiled_steps_run_onednn_packed_linears_too(llama_tiny, monkeypatch):
+    """Both packers run inside compiled steps (through our op): a compiled runner is offered each, a
+    bfloat16 one oneDNN's; greedy decoding compiled on oneDNN-packed linears gives `generate`'s output."""
+    assert HFModelRunner(llama_tiny, compile=True).packers == ("mkl", "onednn")
+    bfloat16 = HFModelRunner(make_tiny_model("llama").to(torch.bfloat16), packed_linear=True, compile=True)
+    assert (bfloat16.packers, bfloat16.packer) == (("onednn",), "onednn")
+    monkeypatch.setattr(lookahead.hf.PackedLinears, "packers", staticmethod(lambda model: ("onednn",)))
+    prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(5))
+    out = generate(llama_tiny, prompt, max_new_tokens=16, config=PLAIN_CONFIG, compile=True, packed_linear=True)
+    assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 16))
+    assert set(lookahead.hf._PACKED[llama_tiny]) == {"onednn"}
 
 
 @pytest.mark.slow  # the C++ wrapper compiles for seconds more per step shape
@@ -284,21 +290,26 @@ def test_a_curve_is_measured_by_one_process_at_a_time(llama_tiny, costs, tmp_pat
     assert json.loads(path.read_text()) == {"seconds": [1.0, 2.0]}
 
 
-@pytest.mark.parametrize("packers, packer, packed_from, relative", [
-    (("mkl", "onednn"), "mkl", 4, [1.0, 1.1, 1.1, 1.4]),  # mkl: faster from 4 rows on; onednn: from 8 only
-    (("onednn",), "onednn", 8, [1.0, 1.1, 1.3, 1.5]),
-    (("slow",), None, None, [1.0, 1.1, 1.3, 2.0]),  # faster at 2 rows only: never taken
-    ((), None, None, [1.0, 1.1, 1.3, 2.0]),
+MKL_TIMES = [10.5, 11.5, 11.0, 14.0]  # faster than the plain path from 4 rows on
+ONEDNN_TIMES = [12.0, 12.0, 13.5, 15.0]  # from 8 only
+SLOW_TIMES = [12.0, 10.0, 14.0, 21.0]  # at 2 rows only
+
+
+@pytest.mark.parametrize("times, packer, packed_from, relative", [
+    ({"mkl": MKL_TIMES, "onednn": ONEDNN_TIMES}, "mkl", 4, [1.0, 1.1, 1.1, 1.4]),
+    ({"onednn": ONEDNN_TIMES}, "onednn", 8, [1.0, 1.1, 1.3, 1.5]),
+    ({"mkl": SLOW_TIMES}, None, None, [1.0, 1.1, 1.3, 2.0]),  # never taken
+    ({}, None, None, [1.0, 1.1, 1.3, 2.0]),
 ])
-def test_the_cost_curve_picks_the_packer_and_the_height_it_pays_from(llama_tiny, monkeypatch, costs, packers, packer,
+def test_the_cost_curve_picks_the_packer_and_the_height_it_pays_from(llama_tiny, monkeypatch, costs, times, packer,
                                                                       packed_from, relative):
     """Scripted times: plain 10, 11, 13, 20 ms for 1, 2, 4, 8 rows; a packer takes over from the height
     where it is faster at that height and every larger one; of two, the one with the lower curve."""
-    times = {None: [10.0, 11.0, 13.0, 20.0], "mkl": [10.5, 11.5, 11.0, 14.0], "onednn": [12.0, 12.0, 13.5, 15.0],
-             "slow": [12.0, 10.0, 14.0, 21.0]}
+    packers = tuple(times)
+    times = {None: [10.0, 11.0, 13.0, 20.0], **times}
     monkeypatch.setattr(costs, "_seconds", lambda runner, packers, sizes=():
                         {packer: times[packer] for packer in packers})
-    monkeypatch.setattr(lookahead.hf.PackedLinears, "packers", staticmethod(lambda model, compiled: packers))
+    monkeypatch.setattr(lookahead.hf.PackedLinears, "packers", staticmethod(lambda model: packers))
     runner = HFModelRunner(llama_tiny)
     for each in packers:  # measuring packs with each packer; the packs of those not taken are freed
         runner.use_packed(each)
@@ -312,7 +323,7 @@ def test_a_packer_is_offered_only_where_its_copy_fits_in_half_the_free_memory(ll
     weights = sum(m.weight.nbytes for m in llama_tiny.modules() if type(m) is torch.nn.Linear)
     for free, packers in [(4 * weights, ("mkl", "onednn")), (3 * weights, ("onednn",)), (weights, ())]:
         monkeypatch.setattr(lookahead.hf, "available_memory", lambda: free)
-        assert lookahead.hf.PackedLinears.packers(llama_tiny, compiled=False) == packers
+        assert lookahead.hf.PackedLinears.packers(llama_tiny) == packers
     with pytest.raises(ValueError, match="free memory for a packed copy of its linear weights"):
         HFModelRunner(llama_tiny, packed_linear=True)
 

@@ -361,7 +361,7 @@ def test_default_config_is_the_automatic_one(llama_tiny, monkeypatch):
 @pytest.mark.parametrize("packer", ["mkl", "onednn", None])
 def test_packed_linear_path_is_exact_and_leaves_the_model_as_it_was(tiny_model, packer, monkeypatch):
     """packed_linear=True through each packer (the only one offered), and False."""
-    monkeypatch.setattr(PackedLinears, "packers", staticmethod(lambda model, compiled: (packer,)))
+    monkeypatch.setattr(PackedLinears, "packers", staticmethod(lambda model: (packer,)))
     prompt = random_prompt(25, 23)
     expected = reference_greedy(tiny_model, prompt, 40)
     out = generate(tiny_model, prompt, max_new_tokens=40, config=LookaheadConfig(), packed_linear=packer is not None)
@@ -370,25 +370,30 @@ def test_packed_linear_path_is_exact_and_leaves_the_model_as_it_was(tiny_model, 
     assert linears and all("forward" not in vars(m) for m in linears)
 
 
-def test_the_mkl_packed_linear_op_computes_the_linear_layer():
-    """`lookahead::mkl_linear` on a packed weight, for 1-64 rows in leading dimensions of any shape, with and
-    without a bias; the pack is dropped with its `PackedLinears`, and a weight without one takes the plain
-    path."""
+@pytest.mark.parametrize("packer", ["mkl", "onednn"])
+def test_the_packed_linear_op_computes_the_linear_layer(packer):
+    """`lookahead::packed_linear` on a packed weight, for 1-64 rows in leading dimensions of any shape, with
+    and without a bias, and the packed forwards of eager and compiled steps; the pack is dropped with its
+    `PackedLinears`, and a weight without one takes the plain path."""
     linear = torch.nn.Linear(48, 80)
-    packed = PackedLinears(linear, "mkl")
-    assert linear.weight.data_ptr() in hf._MKL_PACKED
+    packed = PackedLinears(linear, packer)
+    assert linear.weight.data_ptr() in hf._PACKS[packer]
     generator = torch.Generator().manual_seed(0)
     for shape in [(1, 48), (1, 3, 48), (2, 4, 48), (64, 48)]:
         x = torch.randn(shape, generator=generator)
         for bias in (linear.bias, None):
-            out = torch.ops.lookahead.mkl_linear(x, weight=linear.weight, bias=bias)
+            out = torch.ops.lookahead.packed_linear(x, weight=linear.weight, bias=bias, packer=packer)
             torch.testing.assert_close(out, torch.nn.functional.linear(x, linear.weight, bias))
-    with packed.active():
-        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+        for compiled in (False, True):
+            with packed.active(compiled):
+                assert "forward" in vars(linear)
+                torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+        assert "forward" not in vars(linear)
     del packed
     gc.collect()
-    assert linear.weight.data_ptr() not in hf._MKL_PACKED
-    torch.testing.assert_close(torch.ops.lookahead.mkl_linear(x, weight=linear.weight, bias=None), x @ linear.weight.T)
+    assert linear.weight.data_ptr() not in hf._PACKS[packer]
+    torch.testing.assert_close(torch.ops.lookahead.packed_linear(x, weight=linear.weight, bias=None, packer=packer),
+                               x @ linear.weight.T)
 
 
 def test_packed_linear_refused_where_unsupported():

@@ -9,7 +9,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -46,12 +46,14 @@ def context_length(model: PreTrainedModel) -> int | None:
 class PackedLinears:
     """Prepacked copies of a CPU model's `nn.Linear` weights, swapped in for our forward passes only.
 
-    Two packers: MKL's packed single-precision GEMM (float32), which also runs inside compiled steps (our
-    `lookahead::mkl_linear` op), and oneDNN's prepacked linear (float32 or bfloat16, eager only). Which one
-    runs, and from which step height, is measured per machine (`costs.cost_curve`): on an AMD EPYC oneDNN
-    ran 1.4-1.6x faster than the default BLAS path for the 1..64-row inputs of decoding steps; on an AVX-512
-    Xeon oneDNN was slower at every height, and MKL's packed weights cost 2% more for one row and 23-31%
-    less for 4 to 16 rows (the default BLAS call repacks the whole weight on each call from 4 rows on).
+    Two packers: MKL's packed single-precision GEMM (float32) and oneDNN's prepacked linear (float32 or
+    bfloat16); eager steps call the packs directly, compiled steps through our op `lookahead::packed_linear`
+    (opaque to the compiler). Which one runs, and from which step height, is measured per machine
+    (`costs.cost_curve`): on an AMD EPYC oneDNN ran 1.4-1.6x faster than the default BLAS path for the 1..64-row
+    inputs of decoding steps (whose one-row product runs on one thread), and a compiled float32 step of one row
+    over 300 cached tokens took 37 ms on the default path, 34 ms through MKL and 24 ms through oneDNN; on an
+    AVX-512 Xeon oneDNN was slower at every height, and MKL's packed weights cost 2% more for one row and
+    23-31% less for 4 to 16 rows (the default BLAS call repacks the whole weight on each call from 4 rows on).
     The model itself is left as it was: the packed forward is set on each Linear instance on entering
     `active()` and removed on leaving. It costs a copy of the linear weights (MKL's: twice their bytes),
     taken when first used: later in-place weight changes are not seen.
@@ -59,28 +61,30 @@ class PackedLinears:
 
     def __init__(self, model: torch.nn.Module, packer: str) -> None:
         self.packer = packer
-        self._forwards: list[tuple[torch.nn.Linear, object]] = []
-        self._mkl_weights: list[int] = []
+        # Per linear: the forward of eager steps (the pack called directly: through the op's dispatch, an eager
+        # step of the default model took 7% longer) and that of compiled ones (the op, opaque to the compiler).
+        self._forwards: list[tuple[torch.nn.Linear, Callable, Callable]] = []
+        packs = _PACKS[packer]
+        self._packed_weights: list[int] = []
         for module in model.modules():
             if type(module) is not torch.nn.Linear:
                 continue
             weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
-            if packer == "mkl":
-                if weight.data_ptr() not in _MKL_PACKED:
-                    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACKED_ROWS)
-                    _MKL_PACKED[weight.data_ptr()] = packed
-                    self._mkl_weights.append(weight.data_ptr())
-                self._forwards.append((module, functools.partial(torch.ops.lookahead.mkl_linear, weight=module.weight,
-                                                                 bias=module.bias)))
-            else:
-                self._forwards.append((module, _onednn_forward(weight.to_mkldnn(), bias)))
-        weakref.finalize(self, _forget_mkl_packed, self._mkl_weights)
+            if weight.data_ptr() not in packs:
+                packs[weight.data_ptr()] = (torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACKED_ROWS)
+                                            if packer == "mkl" else weight.to_mkldnn())
+                self._packed_weights.append(weight.data_ptr())
+            compiled = functools.partial(torch.ops.lookahead.packed_linear, weight=module.weight, bias=module.bias,
+                                         packer=packer)
+            self._forwards.append((module, _eager_forward(packer, packs[weight.data_ptr()], weight, bias), compiled))
+        weakref.finalize(self, _forget_packs, packs, self._packed_weights)
 
     @staticmethod
-    def packers(model: torch.nn.Module, compiled: bool) -> tuple[str, ...]:
-        """The packers that can run this model's linears: none off the CPU or without an `nn.Linear`; only
-        MKL (float32) for compiled steps; only those whose copy takes at most half the memory free now
-        (MKL's packs took twice the bytes of the default model's float32 weights, oneDNN's about once)."""
+    def packers(model: torch.nn.Module) -> tuple[str, ...]:
+        """The packers that can run this model's linears: none off the CPU or without an `nn.Linear`; MKL
+        for float32, oneDNN for float32 or bfloat16; only those whose copy takes at most half the memory
+        free now (MKL's packs took twice the bytes of the default model's float32 weights, oneDNN's about
+        once)."""
         linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
         if model.device.type != "cpu" or is_sharded(model) or not linears:
             return ()
@@ -89,52 +93,62 @@ class PackedLinears:
         mkl = model.dtype == torch.float32 and torch.backends.mkl.is_available() and 2 * weights <= room
         onednn = (model.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
                   and weights <= room)
-        return ("mkl",) * mkl + ("onednn",) * (onednn and not compiled)
+        return ("mkl",) * mkl + ("onednn",) * onednn
 
     @contextmanager
-    def active(self) -> Iterator[None]:
-        for module, forward in self._forwards:
-            module.forward = forward
+    def active(self, compiled: bool = False) -> Iterator[None]:
+        """The packed linears in place of the model's, for an eager or a compiled forward."""
+        for module, eager, for_compiler in self._forwards:
+            module.forward = for_compiler if compiled else eager
         try:
             yield
         finally:
-            for module, _ in self._forwards:
+            for module, *_ in self._forwards:
                 del module.forward
 
 
 # MKL packs a weight for a number of rows, but a pack serves any number (the rows are an argument of each
 # call); packed for 64 (our tallest compiled step), it ran as fast as a pack for 4 or 16 rows at 1-16 rows
-# and 24% faster at 64 on a 2-core Xeon. Packs are kept by the address of the weight they copy, so that a
-# compiled graph passes the weight and the op finds its pack without Python in between.
+# and 24% faster at 64 on a 2-core Xeon. Packs are kept by packer and by the address of the weight they
+# copy, so that a compiled graph passes the weight and the op finds its pack without Python in between.
 _MKL_PACKED_ROWS = 64
-_MKL_PACKED: dict[int, torch.Tensor] = {}  # a weight's data_ptr -> its MKL-packed copy
+_PACKS: dict[str, dict[int, torch.Tensor]] = {"mkl": {}, "onednn": {}}  # packer -> weight's data_ptr -> pack
 _LIBRARY = torch.library.Library("lookahead", "DEF")
-_LIBRARY.define("mkl_linear(Tensor x, *, Tensor weight, Tensor? bias) -> Tensor")
+_LIBRARY.define("packed_linear(Tensor x, *, Tensor weight, Tensor? bias, str packer) -> Tensor")
 
 
-def _mkl_linear(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`nn.Linear`'s forward on the weight's MKL-packed copy (the plain one where it has none)."""
+def _packed_linear(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None, packer: str) -> torch.Tensor:
+    """`nn.Linear`'s forward on the weight's copy packed by `packer` (the plain one where it has none)."""
     rows = x.reshape(-1, x.shape[-1])
-    packed = _MKL_PACKED.get(weight.data_ptr())
-    out = (torch.nn.functional.linear(rows, weight, bias) if packed is None
-           else torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0]))
+    packed = _PACKS[packer].get(weight.data_ptr())
+    if packed is None:
+        out = torch.nn.functional.linear(rows, weight, bias)
+    elif packer == "mkl":
+        out = torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0])
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-_LIBRARY.impl("mkl_linear", _mkl_linear, "CPU")
-_LIBRARY.impl("mkl_linear", lambda x, *, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]), "Meta")
+_LIBRARY.impl("packed_linear", _packed_linear, "CPU")
+_LIBRARY.impl("packed_linear", lambda x, *, weight, bias, packer: x.new_empty(*x.shape[:-1], weight.shape[0]), "Meta")
 
 
-def _forget_mkl_packed(weights: list[int]) -> None:
-    for pointer in weights:
-        _MKL_PACKED.pop(pointer, None)
+def _eager_forward(packer: str, packed: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    if packer == "onednn":
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
-
-def _onednn_forward(weight: torch.Tensor, bias: torch.Tensor | None):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])
+        return torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0]).view(*x.shape[:-1], weight.shape[0])
 
     return forward
+
+
+def _forget_packs(packs: dict[int, torch.Tensor], weights: list[int]) -> None:
+    for pointer in weights:
+        packs.pop(pointer, None)
 
 
 def available_memory() -> int:
@@ -225,10 +239,10 @@ class HFModelRunner:
         self.forward_seconds = 0.0  # time spent inside the model's forward, for profiling
         # The packers this runner may use; None: measure whether (and from which step height) one of them is
         # faster here, `costs.cost_curve` decides and calls `use_packed`.
-        self.packers = PackedLinears.packers(model, compiled=self.compile) if packed_linear is not False else ()
+        self.packers = PackedLinears.packers(model) if packed_linear is not False else ()
         if packed_linear and not self.packers:
             raise ValueError("packed_linear=True needs a model on CPU in float32 (MKL or oneDNN) or bfloat16 "
-                             "(oneDNN, not compiled) with those libraries available, and free memory for a "
+                             "(oneDNN) with those libraries available, and free memory for a "
                              "packed copy of its linear weights")
         self.packing: bool | None = packed_linear if packed_linear is not None else (None if self.packers else False)
         self._compiled = _compiled_forward(model, self.compile_mode) if self.compile else None
@@ -273,7 +287,7 @@ class HFModelRunner:
     def _forward(self, input_ids: torch.Tensor, compiled: bool = False, **kwargs):
         start = time.perf_counter()
         packed = self._packed is not None and self.packed_from is not None and input_ids.numel() >= self.packed_from
-        with self._packed.active() if packed else nullcontext(), stacked_heads(self.model):
+        with self._packed.active(compiled) if packed else nullcontext(), stacked_heads(self.model):
             out = (self._compiled if compiled else self.model)(input_ids=input_ids, use_cache=True, **kwargs)
         self.forward_seconds += time.perf_counter() - start
         return out
