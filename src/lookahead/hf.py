@@ -136,14 +136,10 @@ _LIBRARY.impl("packed_linear", lambda x, *, weight, bias, packer: x.new_empty(*x
 
 def _eager_forward(packer: str, packed: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An eager step's packed forward: oneDNN's takes the input as it is; MKL's, rows (the op's own code)."""
     if packer == "onednn":
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        return torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0]).view(*x.shape[:-1], weight.shape[0])
-
-    return forward
+    return functools.partial(_packed_linear, weight=weight, bias=bias, packer=packer)
 
 
 def _forget_packs(packs: dict[int, torch.Tensor], weights: list[int]) -> None:
