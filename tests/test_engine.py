@@ -334,4 +334,3 @@ def test_prompt_chunks_ride_in_the_forward_of_the_decoding_step(llama_tiny):
     for request, prompt, p in zip(ids, prompts, params):
         expected = reference_greedy(llama_tiny, prompt.view(1, -1), p.max_new_tokens, eos_token_id=[])
         assert outputs[request] == expected[0, prompt.numel():].tolist()
-

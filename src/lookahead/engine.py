@@ -249,14 +249,14 @@ class Engine:
         of every request whose prompt is in; what each request committed."""
         self._laps("other")
         self._admit()
-        decoding = [r for r in self._slots if r is not None and r.decoding]
+        decoding = self._decoding()
         chunks = self._prompt_chunks()
         if chunks and not (decoding and self.runner.ragged):
             # Nothing to ride along with, or padded steps (each sequence padded to a prompt chunk's height):
             # a forward of their own, and prompts it completes decode in this step.
             self._feed_prompts(chunks)
             chunks = []
-            decoding = [r for r in self._slots if r is not None and r.decoding]
+            decoding = self._decoding()
         self._laps("prefill")
         if not decoding:
             return []
@@ -368,6 +368,10 @@ class Engine:
             request.started = time.perf_counter()
             request.slot = self._slots.index(None)
             self._slots[request.slot] = request
+
+    def _decoding(self) -> list[_Request]:
+        """The requests in slots whose prompts are all in, in slot order."""
+        return [r for r in self._slots if r is not None and r.decoding]
 
     def _prompt_chunks(self) -> list[tuple[_Request, int]]:
         """The prompt chunks of the next forward: joining requests in order, while the rows the forward
