@@ -90,7 +90,7 @@ def test_a_compiler_failure_warns_and_runs_eagerly(llama_tiny, monkeypatch):
 
     monkeypatch.setattr(lookahead.hf, "_compiled_forward", failing)
     prompt = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(3))
-    with pytest.warns(RuntimeWarning, match="torch.compile failed for steps of 1 rows; they run eagerly: "
+    with pytest.warns(RuntimeWarning, match="torch.compile failed for steps of 2 rows; they run eagerly: "
                                             "RuntimeError: no compiler here"):
         out = generate(llama_tiny, prompt, max_new_tokens=12, config=LookaheadConfig(window=0, guesses=0),
                        compile=True)
@@ -98,17 +98,29 @@ def test_a_compiler_failure_warns_and_runs_eagerly(llama_tiny, monkeypatch):
 
 
 @pytest.mark.slow  # compiling takes seconds per step shape
-def test_compiled_steps_run_onednn_packed_linears_too(llama_tiny, monkeypatch):
-    """Both packers run inside compiled steps (through our op): a compiled runner is offered each, a
-    bfloat16 one oneDNN's; greedy decoding compiled on oneDNN-packed linears gives `generate`'s output."""
-    assert HFModelRunner(llama_tiny, compile=True).packers == ("mkl", "onednn")
-    bfloat16 = HFModelRunner(make_tiny_model("llama").to(torch.bfloat16), packed_linear=True, compile=True)
-    assert (bfloat16.packers, bfloat16.packer) == (("onednn",), "onednn")
-    monkeypatch.setattr(lookahead.hf.PackedLinears, "packers", staticmethod(lambda model: ("onednn",)))
+def test_compiled_steps_on_a_cpu_run_the_frozen_weights_packed_by_inductor(llama_tiny):
+    """Compiled on a CPU, a step runs every linear layer on a copy of its weight that inductor froze and
+    packed with oneDNN (the rows a dynamic size: one-row steps are padded to two), none through the model's
+    own weights or our eager packs; greedy decoding so gives `generate`'s output."""
+    from torch.profiler import profile
+
+    runner = HFModelRunner(llama_tiny, compile=True, packed_linear=True)
+    assert runner.freezes and runner.compiled_heights == COMPILED_HEIGHTS[1:]
     prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(5))
     out = generate(llama_tiny, prompt, max_new_tokens=16, config=PLAIN_CONFIG, compile=True, packed_linear=True)
     assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 16))
-    assert set(lookahead.hf._PACKED[llama_tiny]) == {"onednn"}
+    store = runner.new_store(1, 64)
+    runner.forward(store, pack_steps([0], [0], [causal_step(prompt[0])]))  # eager: the prompt
+    store.extend(0, prompt.numel())
+    step = pack_steps([0], [prompt.numel()], [causal_step(torch.tensor([7]))])
+    runner.forward(store, step)  # compiles
+    with profile() as profiled:
+        runner.forward(store, step)
+    ops = {event.name for event in profiled.events()}
+    linears = sum(type(m) is torch.nn.Linear for m in llama_tiny.modules())
+    calls = sum(event.name == "mkldnn::_linear_pointwise" for event in profiled.events())
+    assert calls == linears and not ops & {"aten::mm", "aten::addmm", "aten::linear", "mkl::_mkl_linear"}
+    assert set(runner.compile_seconds) == {2}
 
 
 @pytest.mark.slow  # the C++ wrapper compiles for seconds more per step shape
@@ -335,7 +347,7 @@ def test_a_compiled_runner_prices_steps_by_its_compiled_steps_own_times(llama_ti
     monkeypatch.setattr(costs, "_step_seconds", lambda runner, sizes, batch:
                         {"sizes": list(sizes), "seconds": [4.0, 5.0, 7.0, 14.0], "one_row": 10.0})
     curve = costs.cost_curve(HFModelRunner(llama_tiny, compile=True))
-    assert curve.relative == pytest.approx([1.0, 1.25, 1.75, 3.5]) and curve.padded_to == list(COMPILED_HEIGHTS)
+    assert curve.relative == pytest.approx([1.0, 1.25, 1.75, 3.5]) and curve.padded_to == list(COMPILED_HEIGHTS[1:])
     assert curve(3) == curve(4) == pytest.approx(1.75)
     assert costs.cost_curve(HFModelRunner(llama_tiny)).relative == pytest.approx([1.0, 1.1, 1.3, 2.0])
 
@@ -376,7 +388,7 @@ def test_the_compiled_curve_is_timed_through_the_compiled_forward(llama_tiny, mo
     runner = HFModelRunner(llama_tiny, compile=True)
     measured = costs._step_seconds(runner, (1, 2, 4), 2)
     assert measured["sizes"] == [1, 2, 4] and all(t > 0 for t in measured["seconds"]) and measured["one_row"] > 0
-    assert sorted(runner.compile_seconds) == [1, 2, 4] and runner._compiled is not None
+    assert sorted(runner.compile_seconds) == [2, 4] and runner._compiled is not None  # one row padded to two
 
 
 @pytest.mark.slow  # compiles the batch shapes of a tiny model

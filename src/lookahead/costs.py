@@ -23,7 +23,7 @@ import torch
 from filelock import FileLock
 from transformers import PreTrainedModel
 
-from .hf import COMPILED_HEIGHTS, HFModelRunner, UnsupportedModelError, context_length, is_sharded
+from .hf import HFModelRunner, UnsupportedModelError, context_length, is_sharded
 from .models import cache_root
 from .runtime.batch import causal_step, pack_steps
 
@@ -31,7 +31,7 @@ CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # Cached tokens under the steps the curves time: short prompts and chats, where decoding spends its steps
 # (fewer where the model's context is shorter).
 MEASURED_CONTEXT = 128
-COST_FORMAT_VERSION = 11
+COST_FORMAT_VERSION = 12
 
 
 class CostCurve:
@@ -305,7 +305,7 @@ def _path_curve(runner: HFModelRunner, sizes: Sequence[int], batch: int) -> Cost
     measured = _stored(cache_root() / "costs" / f"{_path_key(runner)}-b{batch}{compiled}.json",
                        lambda: _step_seconds(runner, sizes, batch), runner,
                        lambda measured: _one_row_now(runner) < REMEASURE_BELOW * measured["one_row"])
-    return CostCurve(measured["sizes"], measured["seconds"], COMPILED_HEIGHTS if runner.compile else ())
+    return CostCurve(measured["sizes"], measured["seconds"], runner.compiled_heights if runner.compile else ())
 
 
 def _step_seconds(runner: HFModelRunner, sizes: Sequence[int], batch: int) -> dict:

@@ -3,14 +3,13 @@ forward (a 4-D attention mask, explicit position ids, and our `KVStore` as the c
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -44,16 +43,14 @@ def context_length(model: PreTrainedModel) -> int | None:
 
 
 class PackedLinears:
-    """Prepacked copies of a CPU model's `nn.Linear` weights, swapped in for our forward passes only.
+    """Prepacked copies of a CPU model's `nn.Linear` weights, swapped in for our eager forward passes only.
 
     Two packers: MKL's packed single-precision GEMM (float32) and oneDNN's prepacked linear (float32 or
-    bfloat16); eager steps call the packs directly, compiled steps through our op `lookahead::packed_linear`
-    (opaque to the compiler). Which one runs, and from which step height, is measured per machine
-    (`costs.cost_curve`): on an AMD EPYC oneDNN ran 1.4-1.6x faster than the default BLAS path for the 1..64-row
-    inputs of decoding steps (whose one-row product runs on one thread), and a compiled float32 step of one row
-    over 300 cached tokens took 37 ms on the default path, 34 ms through MKL and 24 ms through oneDNN; on an
-    AVX-512 Xeon oneDNN was slower at every height, and MKL's packed weights cost 2% more for one row and
-    23-31% less for 4 to 16 rows (the default BLAS call repacks the whole weight on each call from 4 rows on).
+    bfloat16). Which one runs, and from which step height, is measured per machine (`costs.cost_curve`): on
+    an AMD EPYC oneDNN ran 1.4-1.6x faster than the default BLAS path for the 1..64-row inputs of decoding
+    steps (whose one-row product runs on one thread); on an AVX-512 Xeon oneDNN was slower at every height,
+    and MKL's packed weights cost 2% more for one row and 23-31% less for 4 to 16 rows (the default BLAS call
+    repacks the whole weight on each call from 4 rows on). Compiled steps pack their own (`_compiled_forward`).
     The model itself is left as it was: the packed forward is set on each Linear instance on entering
     `active()` and removed on leaving. It costs a copy of the linear weights (MKL's: twice their bytes),
     taken when first used: later in-place weight changes are not seen.
@@ -61,23 +58,11 @@ class PackedLinears:
 
     def __init__(self, model: torch.nn.Module, packer: str) -> None:
         self.packer = packer
-        # Per linear: the forward of eager steps (the pack called directly: through the op's dispatch, an eager
-        # step of the default model took 7% longer) and that of compiled ones (the op, opaque to the compiler).
-        self._forwards: list[tuple[torch.nn.Linear, Callable, Callable]] = []
-        packs = _PACKS[packer]
-        self._packed_weights: list[int] = []
+        self._forwards: list[tuple[torch.nn.Linear, Callable[[torch.Tensor], torch.Tensor]]] = []
         for module in model.modules():
-            if type(module) is not torch.nn.Linear:
-                continue
-            weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
-            if weight.data_ptr() not in packs:
-                packs[weight.data_ptr()] = (torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACKED_ROWS)
-                                            if packer == "mkl" else weight.to_mkldnn())
-                self._packed_weights.append(weight.data_ptr())
-            compiled = functools.partial(torch.ops.lookahead.packed_linear, weight=module.weight, bias=module.bias,
-                                         packer=packer)
-            self._forwards.append((module, _eager_forward(packer, packs[weight.data_ptr()], weight, bias), compiled))
-        weakref.finalize(self, _forget_packs, packs, self._packed_weights)
+            if type(module) is torch.nn.Linear:
+                weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
+                self._forwards.append((module, _packed_forward(packer, weight, bias)))
 
     @staticmethod
     def packers(model: torch.nn.Module) -> tuple[str, ...]:
@@ -85,10 +70,9 @@ class PackedLinears:
         for float32, oneDNN for float32 or bfloat16; only those whose copy takes at most half the memory
         free now (MKL's packs took twice the bytes of the default model's float32 weights, oneDNN's about
         once)."""
-        linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
-        if model.device.type != "cpu" or is_sharded(model) or not linears:
+        weights = linear_bytes(model)
+        if model.device.type != "cpu" or is_sharded(model) or not weights:
             return ()
-        weights = sum({id(m.weight): m.weight.nbytes for m in linears}.values())  # tied weights once
         room = available_memory() / 2
         mkl = model.dtype == torch.float32 and torch.backends.mkl.is_available() and 2 * weights <= room
         onednn = (model.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
@@ -96,55 +80,43 @@ class PackedLinears:
         return ("mkl",) * mkl + ("onednn",) * onednn
 
     @contextmanager
-    def active(self, compiled: bool = False) -> Iterator[None]:
-        """The packed linears in place of the model's, for an eager or a compiled forward."""
-        for module, eager, for_compiler in self._forwards:
-            module.forward = for_compiler if compiled else eager
+    def active(self) -> Iterator[None]:
+        """The packed linears in place of the model's, for an eager forward."""
+        for module, forward in self._forwards:
+            module.forward = forward
         try:
             yield
         finally:
-            for module, *_ in self._forwards:
+            for module, _ in self._forwards:
                 del module.forward
+
+
+def linear_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's `nn.Linear` weights (a weight tied to several of them once)."""
+    linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
+    return sum({id(m.weight): m.weight.nbytes for m in linears}.values())
 
 
 # MKL packs a weight for a number of rows, but a pack serves any number (the rows are an argument of each
 # call); packed for 64 (our tallest compiled step), it ran as fast as a pack for 4 or 16 rows at 1-16 rows
-# and 24% faster at 64 on a 2-core Xeon. Packs are kept by packer and by the address of the weight they
-# copy, so that a compiled graph passes the weight and the op finds its pack without Python in between.
+# and 24% faster at 64 on a 2-core Xeon.
 _MKL_PACKED_ROWS = 64
-_PACKS: dict[str, dict[int, torch.Tensor]] = {"mkl": {}, "onednn": {}}  # packer -> weight's data_ptr -> pack
-_LIBRARY = torch.library.Library("lookahead", "DEF")
-_LIBRARY.define("packed_linear(Tensor x, *, Tensor weight, Tensor? bias, str packer) -> Tensor")
 
 
-def _packed_linear(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None, packer: str) -> torch.Tensor:
-    """`nn.Linear`'s forward on the weight's copy packed by `packer` (the plain one where it has none)."""
-    rows = x.reshape(-1, x.shape[-1])
-    packed = _PACKS[packer].get(weight.data_ptr())
-    if packed is None:
-        out = torch.nn.functional.linear(rows, weight, bias)
-    elif packer == "mkl":
-        out = torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0])
-    else:
-        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
-    return out.view(*x.shape[:-1], weight.shape[0])
-
-
-_LIBRARY.impl("packed_linear", _packed_linear, "CPU")
-_LIBRARY.impl("packed_linear", lambda x, *, weight, bias, packer: x.new_empty(*x.shape[:-1], weight.shape[0]), "Meta")
-
-
-def _eager_forward(packer: str, packed: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An eager step's packed forward: oneDNN's takes the input as it is; MKL's, rows (the op's own code)."""
+def _packed_forward(packer: str, weight: torch.Tensor, bias: torch.Tensor | None
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`nn.Linear`'s forward on a copy of `weight` packed by `packer`."""
     if packer == "onednn":
+        packed = weight.to_mkldnn()
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return functools.partial(_packed_linear, weight=weight, bias=bias, packer=packer)
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACKED_ROWS)
 
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0])
+        return out.view(*x.shape[:-1], weight.shape[0])
 
-def _forget_packs(packs: dict[int, torch.Tensor], weights: list[int]) -> None:
-    for pointer in weights:
-        packs.pop(pointer, None)
+    return forward
 
 
 def available_memory() -> int:
@@ -214,6 +186,16 @@ def _compiled_forward(model: PreTrainedModel, mode: str):
     return torch.compile(model, options={"size_asserts": False, "cpp_wrapper": mode == "cpp-wrapper"})
 
 
+def _freezing() -> AbstractContextManager:
+    """Inductor's freezing, for the compilations that happen inside: the weights become constants of the
+    graph, and on a CPU each linear runs on a copy prepacked by oneDNN (where its rows are a dynamic size) or
+    MKL, called from the compiled code. One float32 step of the default model over 300 cached tokens on a
+    2-core EPYC: 19.3-20.8 ms for 2 rows, 20.4-21.0 for 4, against 28.4-29.1 and 29.1-29.5 through our packed
+    linears called as an op (docs/benchmarks.md, session 25). Set around the calls rather than passed in
+    `torch.compile`'s options, where inductor (torch 2.13) compiled without it."""
+    return torch._inductor.config.patch(freezing=True)
+
+
 class HFModelRunner:
     """Wraps a causal LM; all lookahead glue that knows about transformers lives here."""
 
@@ -242,6 +224,14 @@ class HFModelRunner:
                              "packed copy of its linear weights")
         self.packing: bool | None = packed_linear if packed_linear is not None else (None if self.packers else False)
         self._compiled = _compiled_forward(model, self.compile_mode) if self.compile else None
+        # On a CPU, compiled steps freeze the weights (`_freezing`): a packed copy of the linear weights per graph,
+        # two graphs (one sequence, several); where they would not fit in half the free memory, none.
+        self.freezes = (self.compile and model.device.type == "cpu" and not is_sharded(model)
+                        and 2 * linear_bytes(model) <= available_memory() / 2)
+        # Inductor packs a frozen linear with oneDNN where its rows are a dynamic size, with MKL where they are
+        # fixed, and dynamo fixes a size of 1: a one-row step of one sequence would get MKL's packs, 32-37 ms
+        # a step on the EPYC above against 18-21 ms padded to two rows. So frozen steps start at two rows.
+        self.compiled_heights = COMPILED_HEIGHTS[1:] if self.freezes else COMPILED_HEIGHTS
         self._eager_heights: set[int] = set()  # heights whose compilation failed
         self.compile_seconds: dict[int, float] = {}  # step height -> seconds of its first (compiling) call
         self._packed: PackedLinears | None = None
@@ -282,21 +272,23 @@ class HFModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, compiled: bool = False, **kwargs):
         start = time.perf_counter()
-        packed = self._packed is not None and self.packed_from is not None and input_ids.numel() >= self.packed_from
-        with self._packed.active(compiled) if packed else nullcontext(), stacked_heads(self.model):
+        packed = (not compiled and self._packed is not None and self.packed_from is not None
+                  and input_ids.numel() >= self.packed_from)
+        with (self._packed.active() if packed else _freezing() if compiled and self.freezes else nullcontext(),
+              stacked_heads(self.model)):
             out = (self._compiled if compiled else self.model)(input_ids=input_ids, use_cache=True, **kwargs)
         self.forward_seconds += time.perf_counter() - start
         return out
 
     def warm_up(self, slots: int) -> None:
         """Compile, before serving, the step shapes that an engine of `slots` sequences meets: one sequence
-        or several (in the first slots, or with slots between them padded), one row or more each, on the
-        plain linears and, from `packed_from` rows, the packed ones. Dynamo treats a size of 1 apart from the
-        others, and packed linears are another forward: each of these is a graph of its own (10-70 s on a
-        2-core CPU), which would otherwise compile in the middle of a run, stalling every sequence in it."""
+        or several (in the first slots, or with slots between them padded), one row or more each (frozen
+        steps: two or more). Dynamo treats a size of 1 apart from the others: each of these is a graph of its
+        own (10-70 s on a 2-core CPU), which would otherwise compile in the middle of a run, stalling every
+        sequence in it."""
         if self._compiled is None:
             return
-        heights = [height for height in COMPILED_HEIGHTS if height <= max(2, self.packed_from or 0)]
+        heights = [height for height in self.compiled_heights if height <= 2]
         # Longer than any step below attends to: where the two were equal, dynamo would specialise on it.
         store = self.new_store(slots, 64 + heights[-1])
         prompt = causal_step(torch.zeros(8, dtype=torch.long))
@@ -412,7 +404,7 @@ class HFModelRunner:
         """The step padded to a compiled height and run compiled; None where it runs eagerly (a prefill chunk
         taller than any compiled height, no room left in the store, that height failed to compile, or
         padding that would more than double its rows)."""
-        height = next((h for h in COMPILED_HEIGHTS if h >= batch.height), None)
+        height = next((h for h in self.compiled_heights if h >= batch.height), None)
         slots = range(max(batch.slots) + 1)  # the first slots, those not in the batch padded: one shape class
         cached = [store.lengths[slot] for slot in slots]
         if height is None or height in self._eager_heights or max(cached) + height > store.capacity:
