@@ -20,7 +20,7 @@ from lookahead.config import PLAIN_CONFIG
 from lookahead.costs import CostCurve
 from lookahead.engine import Engine, RequestParams
 from lookahead.hf import COMPILED_HEIGHTS, HFModelRunner
-from lookahead.runtime.batch import StepInput, causal_step, pack_steps, pad_batch
+from lookahead.runtime.batch import causal_step, pack_steps, pad_batch
 
 
 @settings(max_examples=100)  # each example runs three forwards

@@ -65,12 +65,14 @@ def generate(
     proposer keeps one sequence's state). eos_token_id: one id or several; None takes the model's generation
     config. pad_token_id: what fills a sequence after it stops; None: the model's pad token, else the first stop
     token (as `generate`). streamer: any transformers streamer (one prompt only); it gets the prompt, then every
-    committed token. packed_linear: run the model's linear layers on prepacked weights (CPU: MKL's for float32,
-    compiled or not; oneDNN's for float32 or bfloat16, eager; None: the packer and the step sizes that measured
+    committed token. packed_linear: run the model's linear layers in eager steps on prepacked weights (CPU:
+    MKL's for float32, oneDNN's for float32 or bfloat16; None: the packer and the step sizes that measured
     faster on this machine); see `hf.PackedLinears`. compile: run decoding steps through `torch.compile` of the
-    model, padded to a few fixed heights (`hf.COMPILED_HEIGHTS`), each compiled on first use (seconds to minutes
-    per height on a CPU; a height whose compilation fails runs eagerly, with a warning). Off by default: on our
-    2-core CPU it saves 8-9 ms of a 22-37 ms step, but compiling costs 10-70 s per graph (docs/benchmarks.md).
+    model, padded to a few fixed heights (`HFModelRunner.compiled_heights`), each compiled on first use (seconds
+    to minutes per graph on a CPU; a height whose compilation fails runs eagerly, with a warning). On a CPU the
+    compiled graphs freeze the weights, which inductor packs itself (a copy of the linear weights per graph, two
+    graphs). Off by default: compiling costs 30-70 s per graph on 2 cores (then inductor's disk cache), and on our
+    2-core EPYC a compiled float32 step of 1-16 rows took 21-29 ms against 26-39 eager (docs/benchmarks.md).
     compile="cpp-wrapper": the same with the code that calls the compiled kernels in C++ rather than Python
     (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """
