@@ -59,10 +59,14 @@ class PackedLinears:
     def __init__(self, model: torch.nn.Module, packer: str) -> None:
         self.packer = packer
         self._forwards: list[tuple[torch.nn.Linear, Callable[[torch.Tensor], torch.Tensor]]] = []
+        packed: dict[tuple[int, int], Callable[[torch.Tensor], torch.Tensor]] = {}  # a tied weight packed once
         for module in model.modules():
             if type(module) is torch.nn.Linear:
                 weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
-                self._forwards.append((module, _packed_forward(packer, weight, bias)))
+                key = (id(module.weight), id(module.bias))
+                if key not in packed:
+                    packed[key] = _packed_forward(packer, weight, bias)
+                self._forwards.append((module, packed[key]))
 
     @staticmethod
     def packers(model: torch.nn.Module) -> tuple[str, ...]:
@@ -98,7 +102,7 @@ def linear_bytes(model: torch.nn.Module) -> int:
 
 
 # MKL packs a weight for a number of rows, but a pack serves any number (the rows are an argument of each
-# call); packed for 64 (our tallest compiled step), it ran as fast as a pack for 4 or 16 rows at 1-16 rows
+# call); packed for 64 (the budget's tallest step), it ran as fast as a pack for 4 or 16 rows at 1-16 rows
 # and 24% faster at 64 on a 2-core Xeon.
 _MKL_PACKED_ROWS = 64
 
