@@ -71,8 +71,9 @@ def generate(
     model, padded to a few fixed heights (`HFModelRunner.compiled_heights`), each compiled on first use (seconds
     to minutes per graph on a CPU; a height whose compilation fails runs eagerly, with a warning). On a CPU the
     compiled graphs freeze the weights, which inductor packs itself (a copy of the linear weights per graph, two
-    graphs). Off by default: compiling costs 30-70 s per graph on 2 cores (then inductor's disk cache), and on our
-    2-core EPYC a compiled float32 step of 1-16 rows took 21-29 ms against 26-39 eager (docs/benchmarks.md).
+    graphs). Off by default: compiling costs 35-70 s per graph on 2 cores in every process (inductor does not
+    reuse frozen graphs from its disk cache), and on our 2-core EPYC a compiled float32 step of 1-16 rows took
+    21-29 ms against 26-39 eager (docs/benchmarks.md).
     compile="cpp-wrapper": the same with the code that calls the compiled kernels in C++ rather than Python
     (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """
