@@ -331,13 +331,27 @@ def test_the_cost_curve_picks_the_packer_and_the_height_it_pays_from(llama_tiny,
 
 
 def test_a_packer_is_offered_only_where_its_copy_fits_in_half_the_free_memory(llama_tiny, monkeypatch):
-    """MKL's packs take twice the bytes of the float32 weights, oneDNN's once."""
+    """MKL's packs take twice the bytes of the float32 weights, oneDNN's once; bfloat16 weights get oneDNN's only."""
     weights = sum(m.weight.nbytes for m in llama_tiny.modules() if type(m) is torch.nn.Linear)
     for free, packers in [(4 * weights, ("mkl", "onednn")), (3 * weights, ("onednn",)), (weights, ())]:
         monkeypatch.setattr(lookahead.hf, "available_memory", lambda: free)
         assert lookahead.hf.PackedLinears.packers(llama_tiny) == packers
     with pytest.raises(ValueError, match="free memory for a packed copy of its linear weights"):
         HFModelRunner(llama_tiny, packed_linear=True)
+    monkeypatch.setattr(lookahead.hf, "available_memory", lambda: 4 * weights)
+    assert lookahead.hf.PackedLinears.packers(make_tiny_model("llama").to(torch.bfloat16)) == ("onednn",)
+
+
+def test_compiled_cpu_steps_freeze_the_weights_only_where_two_copies_fit_in_half_the_free_memory(llama_tiny,
+                                                                                                 monkeypatch):
+    """Frozen, every graph keeps a packed copy of the weights (two graphs) and steps start at two rows; where
+    that does not fit, steps compile unfrozen from one row. Eager runners freeze nothing."""
+    weights = lookahead.hf.linear_bytes(llama_tiny)
+    for free, freezes, heights in [(4 * weights, True, COMPILED_HEIGHTS[1:]), (3 * weights, False, COMPILED_HEIGHTS)]:
+        monkeypatch.setattr(lookahead.hf, "available_memory", lambda: free)
+        runner = HFModelRunner(llama_tiny, compile=True, packed_linear=False)
+        assert (runner.freezes, runner.compiled_heights) == (freezes, heights)
+    assert not HFModelRunner(llama_tiny, packed_linear=False).freezes
 
 
 def test_a_compiled_runner_prices_steps_by_its_compiled_steps_own_times(llama_tiny, monkeypatch, costs):
