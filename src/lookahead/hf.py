@@ -196,8 +196,8 @@ def _freezing() -> AbstractContextManager:
     MKL, called from the compiled code. One float32 step of the default model over 300 cached tokens on a
     2-core EPYC: 19.3-20.8 ms for 2 rows, 20.4-21.0 for 4, against 28.4-29.1 and 29.1-29.5 through our packed
     linears called as an op (docs/benchmarks.md, session 25). The price: a packed copy of the weights per graph,
-    and a compilation of 50-60 s per graph in every process (inductor's disk cache does not serve frozen graphs;
-    unfrozen ones came back from it in 8 s). Set around the calls rather than passed in `torch.compile`'s
+    and a compilation of 50-60 s per graph in every process (inductor's disk cache cannot keep a graph whose
+    constants are oneDNN tensors, which do not pickle; unfrozen graphs came back from it in 8 s). Set around the calls rather than passed in `torch.compile`'s
     options, where inductor (torch 2.13) compiled without it."""
     return torch._inductor.config.patch(freezing=True)
 
