@@ -197,8 +197,8 @@ def _freezing() -> AbstractContextManager:
     2-core EPYC: 19.3-20.8 ms for 2 rows, 20.4-21.0 for 4, against 28.4-29.1 and 29.1-29.5 through our packed
     linears called as an op (docs/benchmarks.md, session 25). The price: a packed copy of the weights per graph,
     and a compilation of 50-60 s per graph in every process (inductor's disk cache cannot keep a graph whose
-    constants are oneDNN tensors, which do not pickle; unfrozen graphs came back from it in 8 s). Set around the calls rather than passed in `torch.compile`'s
-    options, where inductor (torch 2.13) compiled without it."""
+    constants are oneDNN tensors, which do not pickle; unfrozen graphs came back from it in 8 s). Set around the
+    calls rather than passed in `torch.compile`'s options, where inductor (torch 2.13) compiled without it."""
     return torch._inductor.config.patch(freezing=True)
 
 
@@ -278,10 +278,13 @@ class HFModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, compiled: bool = False, **kwargs):
         start = time.perf_counter()
-        packed = (not compiled and self._packed is not None and self.packed_from is not None
-                  and input_ids.numel() >= self.packed_from)
-        with (self._packed.active() if packed else _freezing() if compiled and self.freezes else nullcontext(),
-              stacked_heads(self.model)):
+        if compiled:  # compiled steps never run our packs: frozen, inductor packs the weights itself
+            linears = _freezing() if self.freezes else nullcontext()
+        elif self._packed is not None and self.packed_from is not None and input_ids.numel() >= self.packed_from:
+            linears = self._packed.active()
+        else:
+            linears = nullcontext()
+        with linears, stacked_heads(self.model):
             out = (self._compiled if compiled else self.model)(input_ids=input_ids, use_cache=True, **kwargs)
         self.forward_seconds += time.perf_counter() - start
         return out
