@@ -48,9 +48,11 @@ class PackedLinears:
     Two packers: MKL's packed single-precision GEMM (float32) and oneDNN's prepacked linear (float32 or
     bfloat16). Which one runs, and from which step height, is measured per machine (`costs.cost_curve`): on
     an AMD EPYC oneDNN ran 1.4-1.6x faster than the default BLAS path for the 1..64-row inputs of decoding
-    steps (whose one-row product runs on one thread); on an AVX-512 Xeon oneDNN was slower at every height,
-    and MKL's packed weights cost 2% more for one row and 23-31% less for 4 to 16 rows (the default BLAS call
-    repacks the whole weight on each call from 4 rows on). Compiled steps pack their own (`_compiled_forward`).
+    steps (whose one-row product runs on one thread), before its weights were reordered for many rows
+    (`_PACKED_ROWS`), which made it faster again; on an AVX-512 Xeon oneDNN (then unreordered) was slower at
+    every height, and MKL's packed weights cost 2% more for one row and 23-31% less for 4 to 16 rows (the
+    default BLAS call repacks the whole weight on each call from 4 rows on). Compiled steps on a CPU are frozen:
+    inductor packs the weights itself (`_freezing`).
     The model itself is left as it was: the packed forward is set on each Linear instance on entering
     `active()` and removed on leaving. It costs a copy of the linear weights (MKL's: twice their bytes),
     taken when first used: later in-place weight changes are not seen.
@@ -101,19 +103,21 @@ def linear_bytes(model: torch.nn.Module) -> int:
     return sum({id(m.weight): m.weight.nbytes for m in linears}.values())
 
 
-# MKL packs a weight for a number of rows, but a pack serves any number (the rows are an argument of each
-# call); packed for 64 (the budget's tallest step), it ran as fast as a pack for 4 or 16 rows at 1-16 rows
-# and 24% faster at 64 on a 2-core Xeon.
-_MKL_PACKED_ROWS = 64
+# Both packers lay a weight out for a number of rows, but a pack serves any number. MKL's, packed for 64 (the
+# budget's tallest step), ran as fast as a pack for 4 or 16 rows at 1-16 rows and 24% faster at 64 on a 2-core
+# Xeon. oneDNN's, reordered for 2 to 64 rows, ran a 576 x 1536 linear of 2-16 rows 1.4-1.9x faster than the
+# weight merely converted to a oneDNN tensor (or reordered for one row), which the op reorders on every call;
+# a whole float32 step of the default model 28-31% faster for 1-8 rows (2-core EPYC, session 26).
+_PACKED_ROWS = 64
 
 
 def _packed_forward(packer: str, weight: torch.Tensor, bias: torch.Tensor | None
                     ) -> Callable[[torch.Tensor], torch.Tensor]:
     """`nn.Linear`'s forward on a copy of `weight` packed by `packer`."""
     if packer == "onednn":
-        packed = weight.to_mkldnn()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKED_ROWS)
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACKED_ROWS)
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACKED_ROWS)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
