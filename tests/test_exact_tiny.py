@@ -392,6 +392,48 @@ def test_a_packed_forward_computes_the_linear_layer(packer):
             assert "forward" not in vars(linear)
 
 
+class _SharedInput(torch.nn.Module):
+    """Three linears on one input (as a layer's query, key and value), one on another; `order` picks the calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(48, n) for n in (64, 16, 16))
+        self.out = torch.nn.Linear(48, 48)
+
+    def forward(self, x: torch.Tensor, order: str = "qkv") -> list[torch.Tensor]:
+        return [getattr(self, name)(x) for name in order] + [self.out(x * 2)]
+
+
+def test_linears_called_on_one_input_run_as_one_stacked_linear():
+    """oneDNN's packs: after the first forward, the linears that took the same input run as one linear over
+    their weights stacked, each member's output its own layer's, whatever the order of the calls, a member
+    called twice, or on another input; the linear on another input stays apart; the MKL packer never stacks."""
+    module = _SharedInput()
+    packed = PackedLinears(module, "onednn")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 48, generator=generator)
+    with packed.active():
+        first = module(x)  # each linear on its own pack, the inputs noted
+    for got, linear, inputs in zip(first, [module.q, module.k, module.v, module.out], [x, x, x, x * 2]):
+        torch.testing.assert_close(got, torch.nn.functional.linear(inputs, linear.weight, linear.bias))
+    assert [group.members for group in packed.groups] == [[module.q, module.k, module.v]]
+    for order in ("qkv", "vkq", "kk", "qvqk", "v"):
+        x = torch.randn(2, 3, 48, generator=generator)
+        with packed.active():
+            outputs = module(x, order)
+            other = module.k(x + 1)  # another input after the group's
+        expected = [torch.nn.functional.linear(x, getattr(module, n).weight, getattr(module, n).bias) for n in order]
+        for got, want in zip(outputs, expected + [module.out(x * 2)]):
+            torch.testing.assert_close(got, want)
+            assert got.is_contiguous()
+        torch.testing.assert_close(other, torch.nn.functional.linear(x + 1, module.k.weight, module.k.bias))
+    assert all(group._output is None for group in packed.groups)  # nothing held between forwards
+    mkl = PackedLinears(module, "mkl")
+    with mkl.active():
+        module(x)
+    assert mkl.groups == []
+
+
 def test_packed_linear_refused_where_unsupported():
     model = make_tiny_model("llama").to(torch.float16)
     with pytest.raises(ValueError, match="packed_linear=True needs a model on CPU in float32"):

@@ -31,7 +31,7 @@ CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # Cached tokens under the steps the curves time: short prompts and chats, where decoding spends its steps
 # (fewer where the model's context is shorter).
 MEASURED_CONTEXT = 128
-COST_FORMAT_VERSION = 13
+COST_FORMAT_VERSION = 14
 
 
 class CostCurve:

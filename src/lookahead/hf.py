@@ -3,6 +3,7 @@ forward (a 4-D attention mask, explicit position ids, and our `KVStore` as the c
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import time
@@ -69,6 +70,10 @@ class PackedLinears:
                 if key not in packed:
                     packed[key] = _packed_forward(packer, weight, bias)
                 self._forwards.append((module, packed[key]))
+        # oneDNN's linears that the model calls on one input (a layer's query, key and value projections; its
+        # gate and up projections) run as one linear over their weights stacked, found in the first forward.
+        self.groups: list[_SharedInputLinears] = []
+        self._finds_groups = packer == "onednn"
 
     @staticmethod
     def packers(model: torch.nn.Module) -> tuple[str, ...]:
@@ -88,13 +93,84 @@ class PackedLinears:
     @contextmanager
     def active(self) -> Iterator[None]:
         """The packed linears in place of the model's, for an eager forward."""
+        inputs: list[tuple[torch.nn.Linear, torch.Tensor]] | None = [] if self._finds_groups else None
         for module, forward in self._forwards:
-            module.forward = forward
+            module.forward = forward if inputs is None else _recording(module, forward, inputs)
         try:
             yield
         finally:
             for module, _ in self._forwards:
                 del module.forward
+            for group in self.groups:
+                group.clear()
+        if inputs:
+            self._group(inputs)
+
+    def _group(self, inputs: list[tuple[torch.nn.Linear, torch.Tensor]]) -> None:
+        """Stack the linears that took the same input tensor in a forward (`inputs`: each call, in order), where
+        each took no other input and all are alike (input size, data type, bias or none); their own packs are
+        dropped. Ten per cent fewer milliseconds in a one-row float32 step of the default model (30 layers'
+        q/k/v and gate/up projections, 8.5 -> 7.3 ms, 2-core EPYC, session 26): the small key and value
+        projections took 25 us each for 0.4 MB."""
+        by_input: dict[int, list[torch.nn.Linear]] = {}
+        took: dict[torch.nn.Linear, set[int]] = {}
+        for module, x in inputs:
+            took.setdefault(module, set()).add(id(x))
+            members = by_input.setdefault(id(x), [])
+            if module not in members:
+                members.append(module)
+        self._finds_groups = False
+        for members in by_input.values():
+            alike = {(m.in_features, m.weight.dtype, m.bias is None) for m in members}
+            if len(members) > 1 and len(alike) == 1 and all(len(took[m]) == 1 for m in members):
+                self.groups.append(_SharedInputLinears(self.packer, members))
+        forwards = {module: forward for group in self.groups for module, forward in group.forwards()}
+        self._forwards = [(module, forwards.get(module, forward)) for module, forward in self._forwards]
+
+
+def _recording(module: torch.nn.Linear, forward: Callable[[torch.Tensor], torch.Tensor],
+               inputs: list[tuple[torch.nn.Linear, torch.Tensor]]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`forward`, noting each call's input in `inputs` (which keeps it alive, so that no two inputs share an id)."""
+    def recorded(x: torch.Tensor) -> torch.Tensor:
+        inputs.append((module, x))
+        return forward(x)
+
+    return recorded
+
+
+class _SharedInputLinears:
+    """Linears the model calls on one input, run as one linear over their weights stacked: the first of them
+    called on an input computes every member's output, each member's call takes its columns. A member called
+    again, or on another input, computes the whole again."""
+
+    def __init__(self, packer: str, members: list[torch.nn.Linear]) -> None:
+        self.members = members
+        weight = torch.cat([m.weight.detach() for m in members])
+        bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+        self._forward = _packed_forward(packer, weight, bias)
+        ends = torch.tensor([m.out_features for m in members]).cumsum(0).tolist()
+        self._columns = list(zip([0] + ends[:-1], ends))
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._served: set[int] = set()
+
+    def forwards(self) -> list[tuple[torch.nn.Linear, Callable[[torch.Tensor], torch.Tensor]]]:
+        return [(m, functools.partial(self._member, index)) for index, m in enumerate(self.members)]
+
+    def _member(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if self._input is not x or index in self._served:
+            self._input, self._output, self._served = x, self._forward(x), set()
+        self._served.add(index)
+        start, end = self._columns[index]
+        out = self._output[..., start:end].contiguous()  # contiguous, as the layer's own output: models view it
+        if len(self._served) == len(self.members):
+            self.clear()
+        return out
+
+    def clear(self) -> None:
+        """Let go of the input and output held for members still to be called."""
+        self._input = self._output = None
+        self._served = set()
 
 
 def linear_bytes(model: torch.nn.Module) -> int:
