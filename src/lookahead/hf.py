@@ -52,8 +52,9 @@ class PackedLinears:
     steps (whose one-row product runs on one thread), before its weights were reordered for many rows
     (`_PACKED_ROWS`), which made it faster again; on an AVX-512 Xeon oneDNN (then unreordered) was slower at
     every height, and MKL's packed weights cost 2% more for one row and 23-31% less for 4 to 16 rows (the
-    default BLAS call repacks the whole weight on each call from 4 rows on). Compiled steps on a CPU are frozen:
-    inductor packs the weights itself (`_freezing`).
+    default BLAS call repacks the whole weight on each call from 4 rows on). oneDNN's packs also stack the
+    linears that the model calls on one input (`_group`). Compiled steps on a CPU are frozen: inductor packs the
+    weights itself (`_freezing`).
     The model itself is left as it was: the packed forward is set on each Linear instance on entering
     `active()` and removed on leaving. It costs a copy of the linear weights (MKL's: twice their bytes),
     taken when first used: later in-place weight changes are not seen.
@@ -109,9 +110,9 @@ class PackedLinears:
     def _group(self, inputs: list[tuple[torch.nn.Linear, torch.Tensor]]) -> None:
         """Stack the linears that took the same input tensor in a forward (`inputs`: each call, in order), where
         each took no other input and all are alike (input size, data type, bias or none); their own packs are
-        dropped. Ten per cent fewer milliseconds in a one-row float32 step of the default model (30 layers'
-        q/k/v and gate/up projections, 8.5 -> 7.3 ms, 2-core EPYC, session 26): the small key and value
-        projections took 25 us each for 0.4 MB."""
+        dropped. A one-row float32 step of the default model: 18.2 -> 16.3 ms (2-core EPYC, session 26; its
+        30 layers' q/k/v and gate/up projections alone 8.5 -> 7.3 ms), where the small key and value
+        projections had taken 25 us each for 0.4 MB."""
         by_input: dict[int, list[torch.nn.Linear]] = {}
         took: dict[torch.nn.Linear, set[int]] = {}
         for module, x in inputs:
