@@ -72,8 +72,8 @@ def generate(
     to minutes per graph on a CPU; a height whose compilation fails runs eagerly, with a warning). On a CPU the
     compiled graphs freeze the weights, which inductor packs itself (a copy of the linear weights per graph, two
     graphs). Off by default: compiling costs 35-70 s per graph on 2 cores in every process (inductor does not
-    reuse frozen graphs from its disk cache), and on our 2-core EPYC a compiled float32 step of 1-16 rows took
-    21-29 ms against 26-39 eager (docs/benchmarks.md).
+    reuse frozen graphs from its disk cache), and on our 2-core EPYC a compiled float32 step of 2-16 rows took
+    17.5-27.7 ms against 19.1-29.4 eager, one process (docs/benchmarks.md, session 26).
     compile="cpp-wrapper": the same with the code that calls the compiled kernels in C++ rather than Python
     (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """

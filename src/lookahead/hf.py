@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import os
 import time
 import warnings
@@ -149,7 +150,7 @@ class _SharedInputLinears:
         weight = torch.cat([m.weight.detach() for m in members])
         bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
         self._forward = _packed_forward(packer, weight, bias)
-        ends = torch.tensor([m.out_features for m in members]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(m.out_features for m in members))
         self._columns = list(zip([0] + ends[:-1], ends))
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
