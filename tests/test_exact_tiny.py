@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from lookahead import LookaheadConfig, generate
 from lookahead.core.drafts import Draft
 from lookahead.core.layout import build_guess_tree, step_layout
+from lookahead import hf as hf_module
 from lookahead.costs import cost_curve
 from lookahead.attention import RaggedLayout
-from lookahead.hf import HFModelRunner, PackedLinears
+from lookahead.hf import ArgmaxOutputLayer, HFModelRunner, PackedLinears
 from lookahead.runtime.batch import StepInput, causal_step, pack_steps
 from lookahead.runtime.kv import KVStore
 
@@ -432,6 +433,76 @@ def test_linears_called_on_one_input_run_as_one_stacked_linear():
     with mkl.active():
         module(x)
     assert mkl.groups == []
+
+
+def _argmax_layer(weight: torch.Tensor) -> tuple[ArgmaxOutputLayer, list[int]]:
+    """An `ArgmaxOutputLayer` over `weight`, and a list noting each call of its float32 fallback (the rows fed)."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data = weight
+    fallbacks: list[int] = []
+    full = lambda x: fallbacks.append(x.shape[-2]) or torch.nn.functional.linear(x, weight)  # noqa: E731
+    return ArgmaxOutputLayer(linear, full), fallbacks
+
+
+def _near_ties(seed: int, rows: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random 8192 x 64 output layer's weight and inputs whose best logits are close (median top-2 gap about
+    0.3 at scale 1): bfloat16's products alone pick another token in a few rows in a hundred."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(8192, 64, generator=generator) * 0.2, torch.randn(rows, 64, generator=generator) * scale
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 64), scale=st.sampled_from([0.3, 1.0, 3.0, 30.0]))
+def test_argmax_output_layer_keeps_float32s_argmax(seed, rows, scale):
+    """Greedy rows' output layer (bfloat16 products, float32 ones where its error bound leaves a doubt): each
+    row's argmax is float32's, and so is every logit that could have been it."""
+    weight, x = _near_ties(seed, rows, scale)
+    layer, fallbacks = _argmax_layer(weight)
+    logits, expected = layer(x.unsqueeze(0))[0], torch.nn.functional.linear(x, weight)
+    assert logits.shape == expected.shape and not fallbacks
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    near = expected >= expected.amax(-1, keepdim=True) - 0.01 * scale
+    torch.testing.assert_close(logits[near], expected[near])
+
+
+def test_argmax_output_layer_corrects_bfloat16s_wrong_picks():
+    """Where bfloat16's products alone pick another token than float32's (3 rows of these 64), the layer does not."""
+    weight, x = _near_ties(0, 64, 1.0)
+    layer, _ = _argmax_layer(weight)
+    expected = torch.nn.functional.linear(x, weight).argmax(-1)
+    approximate = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float().argmax(-1)
+    assert (approximate != expected).sum() == 3
+    assert torch.equal(layer(x).argmax(-1), expected)
+
+
+def test_argmax_output_layer_runs_float32_where_too_many_tokens_are_in_doubt():
+    """Rows so alike that every token might be the argmax: the float32 product, as it is."""
+    weight = torch.ones(256, 32) + torch.randn(256, 32, generator=torch.Generator().manual_seed(0)) * 1e-4
+    layer, fallbacks = _argmax_layer(weight)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, weight)) and fallbacks == [3]
+
+
+def test_greedy_steps_alone_read_the_argmax_output_layer(llama_tiny, monkeypatch):
+    """Where the output layer is faster so (forced here), greedy decoding runs through it and stays identical to
+    `generate`; a sampling request's steps never do (it reads every logit)."""
+    calls: list[int] = []
+    original = ArgmaxOutputLayer.__call__
+    monkeypatch.setattr(ArgmaxOutputLayer, "__call__", lambda self, x: calls.append(x.shape[-2]) or original(self, x))
+    monkeypatch.setattr(ArgmaxOutputLayer, "of", classmethod(lambda cls, model, packed: cls(
+        model.get_output_embeddings(), packed[model.get_output_embeddings()])))
+    monkeypatch.setattr(PackedLinears, "packers", staticmethod(lambda model: ("onednn",)))
+    monkeypatch.setitem(hf_module._PACKED, llama_tiny, {})  # packs made afresh, with the layer forced
+    prompt = random_prompt(25, 29)
+    generate(llama_tiny, prompt, max_new_tokens=2, packed_linear=True)  # the cost curve measured (and cached)
+    calls.clear()
+    out = generate(llama_tiny, prompt, max_new_tokens=40, packed_linear=True)
+    assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 40))
+    assert len(calls) == out.stats.steps and sum(calls) > out.stats.steps  # taller steps too
+    calls.clear()
+    generate(llama_tiny, prompt, max_new_tokens=20, config=LookaheadConfig(), packed_linear=True, do_sample=True,
+             generator=torch.Generator().manual_seed(3))
+    assert calls == []
 
 
 def test_packed_linear_refused_where_unsupported():

@@ -122,8 +122,8 @@ def test_the_engine_stops_proposing_where_its_timed_steps_show_that_drafts_do_no
 
     forward = HFModelRunner.forward
 
-    def timed(self, store, batch):
-        logits = forward(self, store, batch)
+    def timed(self, store, batch, argmax_only=False):
+        logits = forward(self, store, batch, argmax_only)
         time.sleep(step_seconds + row_seconds * (batch.height - 1))
         return logits
 

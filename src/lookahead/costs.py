@@ -31,7 +31,7 @@ CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # Cached tokens under the steps the curves time: short prompts and chats, where decoding spends its steps
 # (fewer where the model's context is shorter).
 MEASURED_CONTEXT = 128
-COST_FORMAT_VERSION = 14
+COST_FORMAT_VERSION = 15
 
 
 class CostCurve:
@@ -116,8 +116,11 @@ def _samples_by_height(rows: int) -> int:
 
 def _steps_over_context(runner: HFModelRunner, context: int, sizes: Sequence[int],
                         batch: int) -> dict[int, Callable[[], torch.Tensor]]:
-    """For each k in `sizes`, a call that runs one forward of k random tokens for each of `batch` sequences
-    over a cache of `context` random tokens each (filled once, here; the steps' own keys are never kept)."""
+    """For each k in `sizes`, a call that runs one greedy forward (logits read for their argmax) of k tokens for
+    each of `batch` sequences over a cache of `context` tokens each (filled once, here; the steps' own keys are
+    never kept). The tokens repeat a random period of 32, the steps continuing it: a trained model predicts
+    them with confidence, as it does most tokens of real text, which is what the greedy output layer's cost
+    depends on (`hf.ArgmaxOutputLayer`; random tokens leave hundreds of tokens in doubt a row)."""
     vocab = runner.model.config.get_text_config(decoder=True).vocab_size
     limit = context_length(runner.model)
     if limit is not None:  # every position inside the model's context (learned positions stop there)
@@ -126,17 +129,18 @@ def _steps_over_context(runner: HFModelRunner, context: int, sizes: Sequence[int
                                         f"steps by timing steps of up to {max(sizes)} tokens after a cached prefix")
         context = min(context, limit - max(sizes))
     generator = torch.Generator().manual_seed(0)
+    text = torch.randint(vocab, (32,), generator=generator).repeat(-(-(context + max(sizes)) // 32))
     slots = list(range(batch))
     # One position more than the tallest step reads: a compiled forward would specialise on the two being equal.
     store = runner.new_store(batch, context + max(sizes) + 1)
-    prompt = causal_step(torch.randint(vocab, (context,), generator=generator))
-    runner.forward(store, pack_steps(slots, [0] * batch, [prompt] * batch))
+    runner.forward(store, pack_steps(slots, [0] * batch, [causal_step(text[:context])] * batch))
     for slot in slots:
         store.extend(slot, context)
     runs = {}
     for k in sizes:
-        steps = [causal_step(torch.randint(vocab, (k,), generator=generator), logits=k) for _ in slots]
-        runs[k] = functools.partial(runner.forward, store, pack_steps(slots, [context] * batch, steps))
+        steps = [causal_step(text[context: context + k], logits=k)] * batch
+        runs[k] = functools.partial(runner.forward, store, pack_steps(slots, [context] * batch, steps),
+                                    argmax_only=True)
     return runs
 
 

@@ -276,7 +276,7 @@ class Engine:
         batch = pack_steps([r.slot for r in members], lengths, steps + prompt_steps)
         self._laps("plan")
         before = self.runner.forward_seconds
-        logits = self.runner.forward(self.store, batch)
+        logits = self.runner.forward(self.store, batch, argmax_only=all(r.decoder.argmax_only for r in decoding))
         self._laps("inputs")
         forward = self.runner.forward_seconds - before
         self.stats.phase_seconds["forward"] = self.stats.phase_seconds.get("forward", 0.0) + forward

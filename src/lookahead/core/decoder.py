@@ -102,6 +102,12 @@ class LookaheadDecoder:
         width = window_width(self.cost, config.window, config.levels) if self.cost else config.window
         self.window = LookaheadWindow(random.Random(config.seed).choices(prompt, k=width), config.levels)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether this sequence reads its logits for their argmax alone (greedy, nothing transforms them); the
+        recycle source's other top tokens are drafts, right or wrong."""
+        return self.choose is None and self.transform is None
+
     def propose(self) -> Proposal:
         """Every source's drafts for the next step, merged and ranked."""
         limit = max(self.config.ngram - 1, self.config.suffix)
@@ -155,7 +161,7 @@ class LookaheadDecoder:
         top = top_tokens(logits, min(max(self.config.recycle, 1), logits.shape[-1]))
         if self.recycle is not None:
             self._recycle(plan, top)
-        if self.choose is None and self.transform is None:
+        if self.argmax_only:
             return self._update_from_choices(plan, top[:, 0])
         width = plan.layout.window_rows.numel()
         verdict = walk_tree(plan.tree, lambda node, accepted: self._scores(
@@ -170,7 +176,7 @@ class LookaheadDecoder:
         not depend on which rows are verified, so rows may be picked apart (on different processes) and
         verified together (`update_from_choices`)."""
         picked = top_tokens(logits)[:, 0]
-        if self.choose is None and self.transform is None:
+        if self.argmax_only:
             return picked
         width = plan.layout.window_rows.numel()
         for index, place in enumerate(places.tolist()):
