@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lookahead.hf
+import lookahead.kernels
 from lookahead import LookaheadConfig, generate
 from lookahead.config import PLAIN_CONFIG
 from lookahead.costs import CostCurve
@@ -331,9 +332,11 @@ def test_the_cost_curve_picks_the_packer_and_the_height_it_pays_from(llama_tiny,
 
 
 def test_a_packer_is_offered_only_where_its_copy_fits_in_half_the_free_memory(llama_tiny, monkeypatch):
-    """MKL's packs take twice the bytes of the float32 weights, oneDNN's once; bfloat16 weights get oneDNN's only."""
+    """MKL's packs take twice the bytes of the float32 weights, oneDNN's and ours once; bfloat16 weights get
+    oneDNN's only; ours where it builds here."""
     weights = sum(m.weight.nbytes for m in llama_tiny.modules() if type(m) is torch.nn.Linear)
-    for free, packers in [(4 * weights, ("mkl", "onednn")), (3 * weights, ("onednn",)), (weights, ())]:
+    native = ("native",) if lookahead.kernels.library() is not None else ()
+    for free, packers in [(4 * weights, ("mkl", "onednn", *native)), (3 * weights, ("onednn", *native)), (weights, ())]:
         monkeypatch.setattr(lookahead.hf, "available_memory", lambda: free)
         assert lookahead.hf.PackedLinears.packers(llama_tiny) == packers
     with pytest.raises(ValueError, match="free memory for a packed copy of its linear weights"):
@@ -447,3 +450,16 @@ def test_after_warming_up_an_engine_compiles_nothing_more_as_sequences_join_and_
     assert counters["stats"]["unique_graphs"] == graphs
     for request_id, (prompt, count) in ids.items():
         assert outputs[request_id] == reference_greedy(model, prompt.view(1, -1), count)[0, prompt.numel():].tolist()
+
+
+def test_our_kernel_is_offered_only_where_it_builds(llama_tiny, monkeypatch, tmp_path):
+    """A compiler that fails (or none): no kernel, and no packer of ours; nothing is left behind as built."""
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # found on the PATH, fails every build
+    lookahead.kernels.library.cache_clear()
+    try:
+        assert lookahead.kernels.library() is None
+        assert "native" not in lookahead.hf.PackedLinears.packers(llama_tiny)
+        assert not list((tmp_path / "kernels").glob("*.so"))
+    finally:
+        lookahead.kernels.library.cache_clear()

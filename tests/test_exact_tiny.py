@@ -14,6 +14,7 @@ from lookahead import LookaheadConfig, generate
 from lookahead.core.drafts import Draft
 from lookahead.core.layout import build_guess_tree, step_layout
 from lookahead import hf as hf_module
+from lookahead import kernels
 from lookahead.costs import cost_curve
 from lookahead.attention import RaggedLayout
 from lookahead.hf import ArgmaxOutputLayer, HFModelRunner, PackedLinears
@@ -365,7 +366,11 @@ def test_default_config_is_the_automatic_one(llama_tiny, monkeypatch):
     assert configs == [AUTO_CONFIG, AUTO_CONFIG]
 
 
-@pytest.mark.parametrize("packer", ["mkl", "onednn", None])
+needs_native = pytest.mark.skipif(kernels.library() is None, reason="our kernel needs AVX-512 and a C compiler")
+PACKERS = ["mkl", "onednn", pytest.param("native", marks=needs_native)]
+
+
+@pytest.mark.parametrize("packer", [*PACKERS, None])
 def test_packed_linear_path_is_exact_and_leaves_the_model_as_it_was(tiny_model, packer, monkeypatch):
     """packed_linear=True through each packer (the only one offered), and False."""
     monkeypatch.setattr(PackedLinears, "packers", staticmethod(lambda model: (packer,)))
@@ -377,15 +382,16 @@ def test_packed_linear_path_is_exact_and_leaves_the_model_as_it_was(tiny_model, 
     assert linears and all("forward" not in vars(m) for m in linears)
 
 
-@pytest.mark.parametrize("packer", ["mkl", "onednn"])
+@pytest.mark.parametrize("packer", PACKERS)
 def test_a_packed_forward_computes_the_linear_layer(packer):
-    """Each packer's forward, for 1-64 rows in leading dimensions of any shape, with and without a bias, is
-    the linear layer's; it is set on the layer inside `active()` only."""
+    """Each packer's forward, for 1-130 rows in leading dimensions of any shape, with and without a bias, is
+    the linear layer's (features that fill no whole panel of our kernel's included); it is set on the layer
+    inside `active()` only."""
     generator = torch.Generator().manual_seed(0)
-    for bias in (True, False):
-        linear = torch.nn.Linear(48, 80, bias=bias)
+    for bias, features in ((True, 80), (False, 80), (True, 37), (False, 5)):
+        linear = torch.nn.Linear(48, features, bias=bias)
         packed = PackedLinears(linear, packer)
-        for shape in [(1, 48), (1, 3, 48), (2, 4, 48), (64, 48)]:
+        for shape in [(1, 48), (1, 3, 48), (2, 4, 48), (5, 48), (9, 48), (64, 48), (2, 65, 48)]:
             x = torch.randn(shape, generator=generator)
             with packed.active():
                 assert "forward" in vars(linear)
@@ -405,12 +411,14 @@ class _SharedInput(torch.nn.Module):
         return [getattr(self, name)(x) for name in order] + [self.out(x * 2)]
 
 
-def test_linears_called_on_one_input_run_as_one_stacked_linear():
-    """oneDNN's packs: after the first forward, the linears that took the same input run as one linear over
-    their weights stacked, each member's output its own layer's, whatever the order of the calls, a member
-    called twice, or on another input; the linear on another input stays apart; the MKL packer never stacks."""
+@pytest.mark.parametrize("packer", PACKERS[1:])
+def test_linears_called_on_one_input_run_as_one_stacked_linear(packer):
+    """oneDNN's packs and ours: after the first forward, the linears that took the same input run as one
+    linear over their weights stacked, each member's output its own layer's, whatever the order of the calls,
+    a member called twice, or on another input; the linear on another input stays apart; the MKL packer never
+    stacks."""
     module = _SharedInput()
-    packed = PackedLinears(module, "onednn")
+    packed = PackedLinears(module, packer)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 48, generator=generator)
     with packed.active():

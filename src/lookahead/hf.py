@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from . import kernels
 from .attention import RaggedLayout, ragged_rows, routes, stacked_heads
 from .runtime.batch import StepBatch, causal_step, pack_steps, pad_batch
 from .runtime.kv import KVStore
@@ -47,15 +48,16 @@ def context_length(model: PreTrainedModel) -> int | None:
 class PackedLinears:
     """Prepacked copies of a CPU model's `nn.Linear` weights, swapped in for our eager forward passes only.
 
-    Two packers: MKL's packed single-precision GEMM (float32) and oneDNN's prepacked linear (float32 or
-    bfloat16). Which one runs, and from which step height, is measured per machine (`costs.cost_curve`): on
-    an AMD EPYC oneDNN ran 1.4-1.6x faster than the default BLAS path for the 1..64-row inputs of decoding
-    steps (whose one-row product runs on one thread), before its weights were reordered for many rows
-    (`_PACKED_ROWS`), which made it faster again; on an AVX-512 Xeon oneDNN (then unreordered) was slower at
-    every height, and MKL's packed weights cost 2% more for one row and 23-31% less for 4 to 16 rows (the
-    default BLAS call repacks the whole weight on each call from 4 rows on). oneDNN's packs also stack the
-    linears that the model calls on one input (`_group`). Compiled steps on a CPU are frozen: inductor packs the
-    weights itself (`_freezing`).
+    Three packers: MKL's packed single-precision GEMM (float32), oneDNN's prepacked linear (float32 or
+    bfloat16) and our own kernel (float32, AVX-512: `kernels`). Which one runs, and from which step height, is
+    measured per machine (`costs.cost_curve`): on an AMD EPYC oneDNN ran 1.4-1.6x faster than the default BLAS
+    path for the 1..64-row inputs of decoding steps (whose one-row product runs on one thread), before its
+    weights were reordered for many rows (`_PACKED_ROWS`), which made it faster again, and our kernel faster
+    still at 1-12 rows; on an AVX-512 Xeon oneDNN (then unreordered) was slower at every height, and MKL's
+    packed weights cost 2% more for one row and 23-31% less for 4 to 16 rows (the default BLAS call repacks
+    the whole weight on each call from 4 rows on). oneDNN's packs and ours also stack the linears that the
+    model calls on one input (`_group`). Compiled steps on a CPU are frozen: inductor packs the weights itself
+    (`_freezing`).
     The model itself is left as it was: the packed forward is set on each Linear instance on entering
     `active()` and removed on leaving. It costs a copy of the linear weights (MKL's: twice their bytes),
     taken when first used: later in-place weight changes are not seen.
@@ -75,15 +77,15 @@ class PackedLinears:
         # oneDNN's linears that the model calls on one input (a layer's query, key and value projections; its
         # gate and up projections) run as one linear over their weights stacked, found in the first forward.
         self.groups: list[_SharedInputLinears] = []
-        self._finds_groups = packer == "onednn"
-        self.argmax_output = ArgmaxOutputLayer.of(model, dict(self._forwards)) if packer == "onednn" else None
+        self._finds_groups = packer in ("onednn", "native")
+        self.argmax_output = ArgmaxOutputLayer.of(model, dict(self._forwards)) if self._finds_groups else None
 
     @staticmethod
     def packers(model: torch.nn.Module) -> tuple[str, ...]:
         """The packers that can run this model's linears: none off the CPU or without an `nn.Linear`; MKL
-        for float32, oneDNN for float32 or bfloat16; only those whose copy takes at most half the memory
-        free now (MKL's packs took twice the bytes of the default model's float32 weights, oneDNN's about
-        once)."""
+        for float32, oneDNN for float32 or bfloat16, ours for float32 where it builds (`kernels.library`);
+        only those whose copy takes at most half the memory free now (MKL's packs took twice the bytes of the
+        default model's float32 weights, oneDNN's and ours about once)."""
         weights = linear_bytes(model)
         if model.device.type != "cpu" or is_sharded(model) or not weights:
             return ()
@@ -91,7 +93,8 @@ class PackedLinears:
         mkl = model.dtype == torch.float32 and torch.backends.mkl.is_available() and 2 * weights <= room
         onednn = (model.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
                   and weights <= room)
-        return ("mkl",) * mkl + ("onednn",) * onednn
+        native = model.dtype == torch.float32 and weights <= room and kernels.library() is not None
+        return ("mkl",) * mkl + ("onednn",) * onednn + ("native",) * native
 
     @contextmanager
     def active(self, argmax_only: bool = False) -> Iterator[None]:
@@ -265,6 +268,9 @@ def _packed_forward(packer: str, weight: torch.Tensor, bias: torch.Tensor | None
     if packer == "onednn":
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKED_ROWS)
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packer == "native":
+        panels, features = kernels.pack(weight), weight.shape[0]
+        return lambda x: kernels.linear(x, panels, bias, features)
     packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACKED_ROWS)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
