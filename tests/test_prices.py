@@ -85,6 +85,27 @@ def test_steps_that_fed_nothing_pause_drafts_only_where_proposing_is_dear(propos
     assert prices.drafts(1) is not pauses
 
 
+@pytest.mark.parametrize("offered", [False, True])
+def test_steps_whose_budget_priced_out_every_draft_on_offer_pause_drafts(offered):
+    """Sixteen sequences whose drafts the budget priced out step after step (one row each, proposing at 4% of
+    a step, under PROPOSING_SHARE): after JUDGED_AFTER such steps drafting pauses, as nothing but proposing
+    happened; where nothing was on offer (a stretch with nothing to copy) drafting goes on."""
+    prices = StepPrices(linear_curve(0.5))
+    prices.record(16, 1, 0.030, 0.016 * 0.1e-3, drafted=False)
+    for _ in range(StepPrices.JUDGED_AFTER):
+        assert prices.drafts(16) is True
+        prices.record(16, 1, 0.030, 0.016 * 0.1e-3 + 0.0012, drafted=True, tokens=16, offered=offered)
+    assert prices.drafts(16) is not offered
+    if offered:  # a drafted step that fed a draft ends such a run
+        fed = StepPrices(linear_curve(0.5))
+        fed.record(16, 1, 0.030, 0.0, drafted=False)
+        for step in range(StepPrices.JUDGED_AFTER):
+            fed.drafts(16)
+            height = 2 if step == StepPrices.JUDGED_AFTER - 1 else 1
+            fed.record(16, height, 0.030, 0.0012, drafted=True, tokens=16 + (height - 1) * 16, offered=True)
+        assert fed.drafts(16) is True
+
+
 def test_drafts_are_kept_where_they_pay_and_a_one_row_step_refreshes_the_prices_now_and_then():
     prices = StepPrices(linear_curve(0.1))
     choices = []

@@ -261,7 +261,7 @@ class Engine:
         if not decoding:
             return []
         started, compiled = time.perf_counter(), len(self.runner.compile_seconds)
-        plans, drafted, priced = self._plans(decoding)
+        plans, drafted, offered, priced = self._plans(decoding)
         steps = [StepInput(p.tokens, p.layout.offsets, p.layout.allowed, p.layout.logit_rows) for p in plans]
         # Prompt chunks ride in the decoding step's forward, after the decoding sequences' rows (no logits read):
         # a ragged step computes only their own rows, and the weights are read once for both. 15 sequences of
@@ -307,7 +307,7 @@ class Engine:
         # A compiling step says nothing of a step's price, nor does one that also fed prompt chunks.
         if priced and len(self.runner.compile_seconds) == compiled and not chunks:
             self.prices.record(len(decoding), batch.height, forward, time.perf_counter() - started - forward,
-                               drafted, committed)
+                               drafted, committed, offered)
         for slot, rows in kept:
             self.store.keep(slot, rows)
         self._laps("commit")
@@ -325,9 +325,10 @@ class Engine:
         self.stats.compile_seconds = sum(self.runner.compile_seconds.values())
         return reports
 
-    def _plans(self, decoding: list[_Request]) -> tuple[list[StepPlan], bool, bool]:
+    def _plans(self, decoding: list[_Request]) -> tuple[list[StepPlan], bool, bool, bool]:
         """Each request's step, sized together: the rows go where they pay for the batch as a whole. Also
-        whether the step carries drafts, and whether it is priced (some request has the budget). Where drafts do not pay at this batch size (`StepPrices.drafts`), budgeted requests feed
+        whether the step carries drafts, whether any were on offer, and whether it is priced (some request
+        has the budget). Where drafts do not pay at this batch size (`StepPrices.drafts`), budgeted requests feed
         their last token alone, without proposing anything."""
         budgeted = [r.decoder.cost is not None for r in decoding]
         prices = self.prices if self.prices is not None and any(budgeted) else None
@@ -348,7 +349,7 @@ class Engine:
             for request, d in zip(decoding, drafting):
                 request.stats.undrafted_steps += not d
         return ([r.decoder.plan(p, n, w) for r, p, n, w in zip(decoding, proposals, counts, windows)],
-                any(drafting), prices is not None)
+                any(drafting), any(d.gains for d in demands), prices is not None)
 
     def _cost(self, batch: int) -> CostCurve:
         """The relative cost of a step of `batch` sequences by its height: the measured curve of the largest

@@ -48,6 +48,7 @@ class _Bucket:
     overhead: dict[bool, float] = field(default_factory=dict)  # drafted? -> seconds per sequence outside the forward
     drafted: _Gain = field(default_factory=lambda: _Gain())  # every drafted step
     fed: _Gain = field(default_factory=lambda: _Gain())  # the drafted steps that fed rows beyond the last tokens
+    declined: int = 0  # drafted steps in a row that fed none of the drafts on offer (the budget priced them out)
     plain_left: int = 0  # steps still to run without drafts before they are tried again
     retry_after: int = 0  # steps without drafts after the next finding that they do not pay
 
@@ -69,8 +70,10 @@ class StepPrices:
     sequence that drafted and plain steps spend outside the forward. Drafts are skipped (`drafts`) for 8
     steps wherever recent drafted steps committed, at these prices, less than `PAYS_ABOVE` times the tokens
     per unit of cost of plain steps (see PROPOSING_SHARE for which steps count), then 16, 32 and 64 steps
-    while each retry finds the same; a one-row step is run where none was seen for `REFRESH_AFTER` steps, so that the prices follow
-    growing caches."""
+    while each retry finds the same; likewise where the budget fed none of the drafts on offer for
+    JUDGED_AFTER drafted steps in a row and those steps did not pay (proposing was all they did: 16 sequences
+    on 2 cores, float32, proposed at 5% of each step and fed nothing for 64 steps). A one-row step is run
+    where none was seen for `REFRESH_AFTER` steps, so that the prices follow growing caches."""
 
     DECAY = 0.8  # weight of the past in the running times: about the last five observations count
     # Sums over more steps: a drafted step's worth swings from nothing (no draft worth feeding) to several
@@ -123,11 +126,12 @@ class StepPrices:
         if seen.plain_left > 0:  # a pause: after it, drafts are judged afresh over JUDGED_AFTER drafted steps
             seen.plain_left -= 1
             if seen.plain_left == 0:
-                seen.drafted, seen.fed = _Gain(), _Gain()
+                seen.drafted, seen.fed, seen.declined = _Gain(), _Gain(), 0
             return seen.plain_left == 0
         proposing = self._outside(seen, batch, drafted=True) - self._outside(seen, batch, drafted=False)
+        declining = seen.declined >= self.JUDGED_AFTER or proposing > self.PROPOSING_SHARE
         if seen.fed.below(self.PAYS_ABOVE, self.JUDGED_AFTER) or (
-                proposing > self.PROPOSING_SHARE and seen.drafted.below(self.PAYS_ABOVE, self.JUDGED_AFTER)):
+                declining and seen.drafted.below(self.PAYS_ABOVE, self.JUDGED_AFTER)):
             first, last = self.RETRY_AFTER
             seen.retry_after = min(max(2 * seen.retry_after, first), last)
             seen.plain_left = seen.retry_after
@@ -139,10 +143,10 @@ class StepPrices:
         return not (True in seen.overhead and unpriced or seen.one_row_age > self.REFRESH_AFTER)
 
     def record(self, batch: int, height: int, forward_seconds: float, overhead_seconds: float,
-               drafted: bool, tokens: int | None = None) -> None:
+               drafted: bool, tokens: int | None = None, offered: bool = False) -> None:
         """A step of `batch` sequences padded to `height` rows: its forward's seconds, the seconds spent
         outside it (planning, verifying), whether it carried drafts and, if it did, the tokens its sequences
-        committed."""
+        committed; `offered`: whether its sequences had drafts on offer."""
         seen, curve = self._bucket(batch), self._curve(batch)
         if height == 1:  # a step slowed by something else on the machine counts as at most 1.5 of the usual
             usual = min(forward_seconds, 1.5 * seen.one_row) if seen.one_row else forward_seconds
@@ -157,3 +161,4 @@ class StepPrices:
             seen.drafted.add(tokens / batch, cost, self.GAIN_DECAY)
             if height > 1:
                 seen.fed.add(tokens / batch, cost, self.GAIN_DECAY)
+            seen.declined = seen.declined + 1 if height == 1 and offered else 0
