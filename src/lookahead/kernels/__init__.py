@@ -52,7 +52,10 @@ def library() -> ctypes.CDLL | None:
                 partial.unlink(missing_ok=True)
                 return None
             os.replace(partial, built)
-    lib = ctypes.CDLL(str(built))
+    try:
+        lib = ctypes.CDLL(str(built))
+    except OSError:  # built, yet not loadable here (its OpenMP runtime missing, say)
+        return None
     lib.linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.linear_f32.restype = None
     return lib
