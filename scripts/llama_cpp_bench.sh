@@ -5,12 +5,14 @@
 # files are converted from the dequantised default model with llama.cpp's own converter.
 #
 #   bash scripts/llama_cpp_bench.sh [threads] [out]   # llama-bench's table, then ours side by side
+#   DTYPES="float32 int4" PROMPTS=4 COMPILE=--compile bash scripts/llama_cpp_bench.sh 2 OUT   # a shorter run
 #
 # In the same run it then decodes with our plain loop and lookahead (`auto`), eager and compiled, in
-# float32, bfloat16 and with int4 weights (`--dtype int4`), 8 MT-bench prompts of 256 new tokens, runs
-# llama-bench again, and prints ours (decoding alone, as llama-bench measures it) against the mean of
-# llama.cpp's two figures on the same weights (F32, BF16; Q4_1 for int4) and on Q4_1 (results under [out],
-# default docs/bench/llama_cpp).
+# float32, bfloat16 and with int4 weights (`--dtype int4`; DTYPES chooses), 8 MT-bench prompts (PROMPTS) of
+# 256 new tokens, runs llama-bench again, and prints ours (decoding alone, as llama-bench measures it) against
+# the mean of llama.cpp's two figures on the same weights (F32, BF16; Q4_1 for int4) and on Q4_1 (results
+# under [out], default docs/bench/llama_cpp). COMPILE: how ours also runs compiled, `--cpp-wrapper` (the
+# default), `--compile`, or empty (eager only).
 #
 # Needs cmake and a C++ compiler; the build (a few minutes) and the converted files are kept for reruns.
 set -euo pipefail
@@ -52,20 +54,23 @@ llama_bench() {
 }
 # llama.cpp runs before and after each of our dtypes (this machine's speed drifted by up to 1.6x over the
 # half hour of a run): each dtype of ours is compared with the mean of the two runs beside it.
-DTYPES=(float32 bfloat16 int4)
+read -r -a DTYPES <<< "${DTYPES:-float32 bfloat16 int4}"
+# By default compiled with the C++ wrapper (in one process, 3-7% faster int4 steps and 4% faster float32 ones
+# on an earlier machine; the first compilation takes minutes, then inductor's cache).
+COMPILE="${COMPILE---cpp-wrapper}"
 llama_bench "$OUT/llama_bench_0.json"
 for i in "${!DTYPES[@]}"; do
-  # Compiled with the C++ wrapper (in one process, 3-7% faster int4 steps and 4% faster float32 ones on
-  # an earlier machine; the first compilation takes minutes, then inductor's cache).
-  .venv/bin/lookahead bench --dataset mt_bench --limit 8 --max-new-tokens 256 --baselines plain --config auto \
-    --cpp-wrapper --dtype "${DTYPES[$i]}" --threads "$THREADS" --out "$OUT/ours-${DTYPES[$i]}" > /dev/null
+  # shellcheck disable=SC2086  # COMPILE: one option or none
+  .venv/bin/lookahead bench --dataset mt_bench --limit "${PROMPTS:-8}" --max-new-tokens 256 --baselines plain \
+    --config auto $COMPILE --dtype "${DTYPES[$i]}" --threads "$THREADS" --out "$OUT/ours-${DTYPES[$i]}" > /dev/null
   llama_bench "$OUT/llama_bench_$((i + 1)).json"
 done
-$PY - "$OUT" <<'PY'
+$PY - "$OUT" "${DTYPES[@]}" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-dtypes = {"float32": "F32", "bfloat16": "BF16", "int4": "Q4_1"}  # ours -> llama.cpp on the same weights
+same = {"float32": "F32", "bfloat16": "BF16", "int4": "Q4_1"}  # ours -> llama.cpp on the same weights
+dtypes = {dtype: same[dtype] for dtype in sys.argv[2:]}
 runs = []  # per llama-bench run: weights -> tokens/s
 for index in range(len(dtypes) + 1):
     run = {}
@@ -84,7 +89,7 @@ lines += ["", "| ours | tokens/s | decoding alone | tokens/step | vs llama.cpp, 
 for index, (dtype, kind) in enumerate(dtypes.items()):
     beside = {k: (runs[index][k] + runs[index + 1][k]) / 2 for k in runs[index]}
     mine_all = json.loads((out / f"ours-{dtype}" / "results.json").read_text())["runs"]
-    for method in ("plain", "lookahead-auto", "plain-cpp-wrapper", "lookahead-auto-cpp-wrapper"):
+    for method in sorted({r["method"] for r in mine_all}, key=lambda name: (name.count("-"), name)):
         mine = [r for r in mine_all if r["method"] == method]
         tokens, seconds, steps = (sum(r[k] for r in mine) for k in ("new_tokens", "seconds", "steps"))
         decoding = tokens / (seconds - sum(r["phase_seconds"].get("prefill", 0.0) for r in mine))

@@ -91,36 +91,60 @@ def test_a_compiler_failure_warns_and_runs_eagerly(llama_tiny, monkeypatch):
 
     monkeypatch.setattr(lookahead.hf, "_compiled_forward", failing)
     prompt = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(3))
-    with pytest.warns(RuntimeWarning, match="torch.compile failed for steps of 2 rows; they run eagerly: "
+    with pytest.warns(RuntimeWarning, match=r"torch.compile failed for steps of \d+ rows; they run eagerly: "
                                             "RuntimeError: no compiler here"):
         out = generate(llama_tiny, prompt, max_new_tokens=12, config=LookaheadConfig(window=0, guesses=0),
                        compile=True)
     assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 12))
 
 
-@pytest.mark.slow  # compiling takes seconds per step shape
-def test_compiled_steps_on_a_cpu_run_the_frozen_weights_packed_by_inductor(llama_tiny):
-    """Compiled on a CPU, a step runs every linear layer on a copy of its weight that inductor froze and
-    packed with oneDNN (the rows a dynamic size: one-row steps are padded to two), none through the model's
-    own weights or our eager packs; greedy decoding so gives `generate`'s output."""
+def _linear_ops_of_a_compiled_step(runner: HFModelRunner, prompt: torch.Tensor, rows: int) -> list[str]:
+    """The linear ops a compiled step of `rows` rows after `prompt` runs (it compiles first)."""
     from torch.profiler import profile
 
+    store = runner.new_store(1, 64)
+    runner.forward(store, pack_steps([0], [0], [causal_step(prompt[0])]))  # eager: the prompt
+    store.extend(0, prompt.numel())
+    step = pack_steps([0], [prompt.numel()], [causal_step(torch.arange(3, 3 + rows))])
+    runner.forward(store, step)  # compiles
+    with profile() as profiled:
+        runner.forward(store, step)
+    linear_ops = ("lookahead::linear_f32", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
+                  "mkl::_mkl_linear")
+    return [event.name for event in profiled.events() if event.name in linear_ops]
+
+
+@pytest.mark.slow  # compiling takes seconds per step shape
+@pytest.mark.skipif(lookahead.kernels.library() is None, reason="our kernel does not build or run here")
+def test_compiled_steps_on_a_cpu_call_our_kernel_from_the_graph(llama_tiny):
+    """Where our kernel runs, a compiled step (one row too) calls it as an op of the graph on our packs, a
+    stacked call for the linears that share an input, nothing frozen; greedy decoding so gives `generate`'s
+    output."""
+    runner = HFModelRunner(llama_tiny, compile=True)
+    assert runner.compiled_kernel and not runner.freezes and runner.compiled_heights == COMPILED_HEIGHTS
+    prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(5))
+    out = generate(llama_tiny, prompt, max_new_tokens=16, config=PLAIN_CONFIG, compile=True)
+    assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 16))
+    layers = llama_tiny.config.num_hidden_layers
+    for rows in (1, 3):
+        # Per layer: q/k/v stacked, o, gate/up stacked, down; then the output layer.
+        assert _linear_ops_of_a_compiled_step(runner, prompt, rows) == ["lookahead::linear_f32"] * (4 * layers + 1)
+    assert set(runner.compile_seconds) == {1, 4}
+
+
+@pytest.mark.slow  # compiling takes seconds per step shape
+def test_compiled_steps_on_a_cpu_run_the_frozen_weights_packed_by_inductor(llama_tiny, monkeypatch):
+    """Compiled on a CPU where our kernel does not run, a step runs every linear layer on a copy of its weight
+    that inductor froze and packed with oneDNN (the rows a dynamic size: one-row steps are padded to two), none
+    through the model's own weights or our eager packs; greedy decoding so gives `generate`'s output."""
+    monkeypatch.setattr(lookahead.kernels, "library", lambda: None)
     runner = HFModelRunner(llama_tiny, compile=True, packed_linear=True)
     assert runner.freezes and runner.compiled_heights == COMPILED_HEIGHTS[1:]
     prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(5))
     out = generate(llama_tiny, prompt, max_new_tokens=16, config=PLAIN_CONFIG, compile=True, packed_linear=True)
     assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 16))
-    store = runner.new_store(1, 64)
-    runner.forward(store, pack_steps([0], [0], [causal_step(prompt[0])]))  # eager: the prompt
-    store.extend(0, prompt.numel())
-    step = pack_steps([0], [prompt.numel()], [causal_step(torch.tensor([7]))])
-    runner.forward(store, step)  # compiles
-    with profile() as profiled:
-        runner.forward(store, step)
-    ops = {event.name for event in profiled.events()}
     linears = sum(type(m) is torch.nn.Linear for m in llama_tiny.modules())
-    calls = sum(event.name == "mkldnn::_linear_pointwise" for event in profiled.events())
-    assert calls == linears and not ops & {"aten::mm", "aten::addmm", "aten::linear", "mkl::_mkl_linear"}
+    assert _linear_ops_of_a_compiled_step(runner, prompt, 1) == ["mkldnn::_linear_pointwise"] * linears
     assert set(runner.compile_seconds) == {2}
 
 
@@ -347,8 +371,10 @@ def test_a_packer_is_offered_only_where_its_copy_fits_in_half_the_free_memory(ll
 
 def test_compiled_cpu_steps_freeze_the_weights_only_where_two_copies_fit_in_half_the_free_memory(llama_tiny,
                                                                                                  monkeypatch):
-    """Frozen, every graph keeps a packed copy of the weights (two graphs) and steps start at two rows; where
-    that does not fit, steps compile unfrozen from one row. Eager runners freeze nothing."""
+    """Frozen (where our kernel does not run), every graph keeps a packed copy of the weights (two graphs) and
+    steps start at two rows; where that does not fit, steps compile unfrozen from one row. Eager runners freeze
+    nothing."""
+    monkeypatch.setattr(lookahead.kernels, "library", lambda: None)
     weights = lookahead.hf.linear_bytes(llama_tiny)
     for free, freezes, heights in [(4 * weights, True, COMPILED_HEIGHTS[1:]), (3 * weights, False, COMPILED_HEIGHTS)]:
         monkeypatch.setattr(lookahead.hf, "available_memory", lambda: free)
@@ -363,8 +389,9 @@ def test_a_compiled_runner_prices_steps_by_its_compiled_steps_own_times(llama_ti
     runner of the same model keeps the eager curve."""
     monkeypatch.setattr(costs, "_step_seconds", lambda runner, sizes, batch:
                         {"sizes": list(sizes), "seconds": [4.0, 5.0, 7.0, 14.0], "one_row": 10.0})
-    curve = costs.cost_curve(HFModelRunner(llama_tiny, compile=True))
-    assert curve.relative == pytest.approx([1.0, 1.25, 1.75, 3.5]) and curve.padded_to == list(COMPILED_HEIGHTS[1:])
+    runner = HFModelRunner(llama_tiny, compile=True)
+    curve = costs.cost_curve(runner)
+    assert curve.relative == pytest.approx([1.0, 1.25, 1.75, 3.5]) and curve.padded_to == list(runner.compiled_heights)
     assert curve(3) == curve(4) == pytest.approx(1.75)
     assert costs.cost_curve(HFModelRunner(llama_tiny)).relative == pytest.approx([1.0, 1.1, 1.3, 2.0])
 
@@ -405,7 +432,9 @@ def test_the_compiled_curve_is_timed_through_the_compiled_forward(llama_tiny, mo
     runner = HFModelRunner(llama_tiny, compile=True)
     measured = costs._step_seconds(runner, (1, 2, 4), 2)
     assert measured["sizes"] == [1, 2, 4] and all(t > 0 for t in measured["seconds"]) and measured["one_row"] > 0
-    assert sorted(runner.compile_seconds) == [2, 4] and runner._compiled is not None  # one row padded to two
+    # (Frozen steps pad one row to two.)
+    assert sorted(runner.compile_seconds) == [h for h in (1, 2, 4) if h in runner.compiled_heights]
+    assert runner._compiled is not None
 
 
 @pytest.mark.slow  # compiles the batch shapes of a tiny model

@@ -69,11 +69,13 @@ def generate(
     MKL's for float32, oneDNN's for float32 or bfloat16; None: the packer and the step sizes that measured
     faster on this machine); see `hf.PackedLinears`. compile: run decoding steps through `torch.compile` of the
     model, padded to a few fixed heights (`HFModelRunner.compiled_heights`), each compiled on first use (seconds
-    to minutes per graph on a CPU; a height whose compilation fails runs eagerly, with a warning). On a CPU the
-    compiled graphs freeze the weights, which inductor packs itself (a copy of the linear weights per graph, two
-    graphs). Off by default: compiling costs 35-70 s per graph on 2 cores in every process (inductor does not
-    reuse frozen graphs from its disk cache), and on our 2-core EPYC a compiled float32 step of 2-16 rows took
-    17.5-27.7 ms against 19.1-29.4 eager, one process (docs/benchmarks.md, session 26).
+    to minutes per graph on a CPU; a height whose compilation fails runs eagerly, with a warning). On a CPU where
+    our float32 kernel runs (`lookahead.kernels`), the compiled graphs call it on one packed copy of the linear
+    weights (a graph compiles in 30-60 s on 2 cores the first time, ~10 s from inductor's disk cache in later
+    processes); elsewhere they freeze the weights, which inductor packs itself (a copy per graph, two graphs;
+    35-70 s per graph in every process, frozen graphs are not reused from the disk cache). Off by default: on
+    our 2-core EPYC a compiled one-row float32 step ran only a few % faster than eager (docs/benchmarks.md,
+    session 28).
     compile="cpp-wrapper": the same with the code that calls the compiled kernels in C++ rather than Python
     (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """

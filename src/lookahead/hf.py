@@ -57,8 +57,8 @@ class PackedLinears:
     still at 1-12 rows; on an AVX-512 Xeon oneDNN (then unreordered) was slower at every height, and MKL's
     packed weights cost 2% more for one row and 23-31% less for 4 to 16 rows (the default BLAS call repacks
     the whole weight on each call from 4 rows on). oneDNN's packs and ours also stack the linears that the
-    model calls on one input (`_group`). Compiled steps on a CPU are frozen: inductor packs the weights itself
-    (`_freezing`).
+    model calls on one input (`_group`). Compiled steps on a CPU call our kernel's packs as an op of the graph
+    (`kernels.linear_op`) or, where it does not run, are frozen: inductor packs the weights itself (`_freezing`).
     The model itself is left as it was: the packed forward is set on each Linear instance on entering
     `active()` and removed on leaving. It costs a copy of the linear weights (MKL's: twice their bytes),
     taken when first used: later in-place weight changes are not seen.
@@ -102,19 +102,27 @@ class PackedLinears:
         """The packed linears in place of the model's, for an eager forward. argmax_only: the logits are read
         for their argmax alone (greedy rows), which `argmax_output` computes faster where there is one."""
         inputs: list[tuple[torch.nn.Linear, torch.Tensor]] | None = [] if self._finds_groups else None
+        # Set in the instances' dicts: `nn.Module.__setattr__` and `__delattr__` took 0.28 ms a step.
         for module, forward in self._forwards:
-            module.forward = forward if inputs is None else _recording(module, forward, inputs)
+            module.__dict__["forward"] = forward if inputs is None else _recording(module, forward, inputs)
         if argmax_only and self.argmax_output is not None:
-            self.argmax_output.module.forward = self.argmax_output
+            self.argmax_output.module.__dict__["forward"] = self.argmax_output
         try:
             yield
         finally:
             for module, _ in self._forwards:
-                del module.forward
+                del module.__dict__["forward"]
             for group in self.groups:
                 group.clear()
         if inputs:
             self._group(inputs)
+
+    def find_groups(self, model: torch.nn.Module) -> None:
+        """Find the linears to stack (`_group`) by a one-token forward of `model` without a cache, where the
+        first forward through these packs is to be traced by the compiler (which would not run the recording)."""
+        if self._finds_groups:
+            with torch.inference_mode(), self.active():
+                model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device), use_cache=False)
 
     def _group(self, inputs: list[tuple[torch.nn.Linear, torch.Tensor]]) -> None:
         """Stack the linears that took the same input tensor in a forward (`inputs`: each call, in order), where
@@ -383,10 +391,14 @@ class HFModelRunner:
                              "packed copy of its linear weights")
         self.packing: bool | None = packed_linear if packed_linear is not None else (None if self.packers else False)
         self._compiled = _compiled_forward(model, self.compile_mode) if self.compile else None
-        # On a CPU, compiled steps freeze the weights (`_freezing`): a packed copy of the linear weights per graph,
-        # two graphs (one sequence, several); where they would not fit in half the free memory, none.
-        self.freezes = (self.compile and model.device.type == "cpu" and not is_sharded(model)
-                        and 2 * linear_bytes(model) <= available_memory() / 2)
+        # Where our kernel runs, compiled steps call it from the graph (`kernels.linear_op`) on one packed copy
+        # of the weights: a one-row float32 step of the default model 1.1-1.2x faster than eager (2-core EPYC,
+        # session 28), where inductor's fused pointwise code replaces some 2,000 eager ops of the layers.
+        self.compiled_kernel = self.compile and "native" in self.packers
+        # Otherwise, on a CPU, compiled steps freeze the weights (`_freezing`): a packed copy of the linear weights
+        # per graph, two graphs (one sequence, several); where they would not fit in half the free memory, none.
+        self.freezes = (self.compile and not self.compiled_kernel and model.device.type == "cpu"
+                        and not is_sharded(model) and 2 * linear_bytes(model) <= available_memory() / 2)
         # Inductor packs a frozen linear with oneDNN where its rows are a dynamic size, with MKL where they are
         # fixed, and dynamo fixes a size of 1: a one-row step of one sequence would get MKL's packs, 32-37 ms
         # a step on the EPYC above against 18-21 ms padded to two rows. So frozen steps start at two rows.
@@ -413,8 +425,22 @@ class HFModelRunner:
     def drop_other_packs(self) -> None:
         """Free the packed copies of packers other than the one in use (measuring made one per packer)."""
         packs = _PACKED.get(self.model, {})
-        for packer in [packer for packer in packs if packer != self.packer]:
+        for packer in [packer for packer in packs if packer not in (self.packer, self._compiled_packer)]:
             del packs[packer]
+
+    @property
+    def _compiled_packer(self) -> str | None:
+        return "native" if self.compiled_kernel else None
+
+    def _compiled_linears(self) -> AbstractContextManager:
+        """The linears of compiled steps: ours, traced as an op of the graph, or frozen and packed by inductor."""
+        if not self.compiled_kernel:
+            return _freezing() if self.freezes else nullcontext()
+        packs = _PACKED.setdefault(self.model, {})
+        if "native" not in packs:
+            packs["native"] = PackedLinears(self.model, "native")
+        packs["native"].find_groups(self.model)
+        return packs["native"].active()
 
     @property
     def packer(self) -> str | None:
@@ -431,8 +457,8 @@ class HFModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, compiled: bool = False, argmax_only: bool = False, **kwargs):
         start = time.perf_counter()
-        if compiled:  # compiled steps never run our packs: frozen, inductor packs the weights itself
-            linears = _freezing() if self.freezes else nullcontext()
+        if compiled:
+            linears = self._compiled_linears()
         elif self._packed is not None and self.packed_from is not None and input_ids.numel() >= self.packed_from:
             linears = self._packed.active(argmax_only)
         else:
