@@ -92,7 +92,8 @@ def test_bench_sweep_and_cost(tiny_dir, tmp_path):
     cost = json.loads((tmp_path / "cost.json").read_text())
     assert [p["tokens"] for p in cost["points"]] == [1, 2, 4, 8]
     assert cost["points"][0]["relative"] == 1.0 and all(p["seconds"] > 0 for p in cost["points"])
-    assert (tmp_path / "cost.png").stat().st_size > 0
+    assert (tmp_path / "cost.png").stat().st_size > 0 and list(cost["curves"]) == ["eager"]
+    assert cost["curves"]["eager"] == cost["points"]
 
 
 def test_bench_corpus_on_a_tiny_model(tiny_dir):

@@ -190,6 +190,18 @@ def test_bench_runs_each_of_our_methods_also_compiled(tiny_dir, tmp_path):
     assert all(r["identical"] is True for r in runs)  # compiled or not, token-identical to greedy
 
 
+@pytest.mark.slow  # compiles a tiny model's steps
+def test_bench_cost_times_the_eager_and_the_compiled_steps_side_by_side(tiny_dir, tmp_path):
+    result = run_cli("bench", "cost", "--model", tiny_dir, "--max-k", "4", "--repeats", "1", "--context", "16",
+                     "--compile", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    cost = json.loads((tmp_path / "cost.json").read_text())
+    assert list(cost["curves"]) == ["eager", "compiled"] and cost["points"] == cost["curves"]["compiled"]
+    assert all([p["tokens"] for p in curve] == [1, 2, 4] and all(p["seconds"] > 0 for p in curve)
+               for curve in cost["curves"].values())
+    assert "| k | eager: ms | T(k)/T(1) | compiled: ms | T(k)/T(1) | compiled / eager |" in result.stdout
+
+
 def test_a_time_above_a_taller_steps_time_is_noise_and_is_lowered_to_it():
     assert CostCurve([1, 2, 4, 8], [3.0, 2.0, 5.0, 4.0]).relative == [1.0, 1.0, 2.0, 2.0]
 

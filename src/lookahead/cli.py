@@ -29,7 +29,7 @@ from .bench.report import (
 )
 from .bench.runner import environment, run_benchmark, standard_methods, summarize
 from .config import AUTO_CONFIG, LookaheadConfig
-from .costs import CostCurve, cost_curve, forward_cost
+from .costs import CostCurve, cost_curve, eager_and_compiled_cost, forward_cost
 from .engine import check_request
 from .generation import generate
 from .hf import HFModelRunner
@@ -475,19 +475,28 @@ def cost_command(
     dtype: DtypeOption = "float32",
     threads: ThreadsOption = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Folder for cost.json and cost.png.")] = None,
+    compile: Annotated[bool, typer.Option("--compile", help="Also compiled steps (padded to the compiled heights), timed in the same rounds as the eager ones.")] = False,
+    cpp_wrapper: CppWrapperOption = False,
 ) -> None:
     """The model's forward cost T(k) for k new tokens per step over a cached context."""
     lm, _ = _load_model(model, gguf_file, dtype, threads)
     sizes = tuple(sorted({1, *(2**i for i in range(max_k.bit_length()) if 2**i <= max_k), max_k}))
-    runner = HFModelRunner(lm, packed_linear=packed_linear)
+    runner = HFModelRunner(lm, packed_linear=packed_linear, compile=_compile_mode(compile, cpp_wrapper))
     if runner.packing is None:
         cost_curve(runner)  # settles which linear path generate takes here
-    points = forward_cost(runner, context=context, sizes=sizes, repeats=repeats)
-    print("| k | ms | T(k)/T(1) |\n|---|---|---|")
-    for p in points:
-        print(f"| {p.tokens} | {1000 * p.seconds:.1f} | {p.relative:.2f} |")
+    if runner.compile:
+        curves = eager_and_compiled_cost(runner, context=context, sizes=sizes, repeats=repeats)
+    else:
+        curves = {"eager": forward_cost(runner, context=context, sizes=sizes, repeats=repeats)}
+    names = list(curves)
+    print("| k | " + " | ".join(f"{name}: ms | T(k)/T(1)" for name in names) + " |" +
+          (" compiled / eager |" if runner.compile else "") + "\n|---|" + "---|---|" * len(names) +
+          ("---|" if runner.compile else ""))
+    for k, points in zip(sizes, zip(*curves.values())):
+        ratio = f" {points[1].seconds / points[0].seconds:.2f} |" if runner.compile else ""
+        print(f"| {k} | " + " | ".join(f"{1000 * p.seconds:.1f} | {p.relative:.2f}" for p in points) + " |" + ratio)
     if out is not None:
-        for path in write_cost(out, points, environment(lm)):
+        for path in write_cost(out, curves, environment(lm)):
             print(f"wrote {path}")
 
 

@@ -82,8 +82,28 @@ def forward_cost(
     under 20%)."""
     fastest = _fastest_rounds(_steps_over_context(runner, context, sizes, batch), repeats, runner.device,
                               lambda k: _samples_by_height(batch * k))
-    base = fastest[sizes[0]]
-    return [CostPoint(k, fastest[k], fastest[k] / base) for k in sizes]
+    return _points(sizes, fastest)
+
+
+def eager_and_compiled_cost(runner: HFModelRunner, context: int = 256, sizes: tuple[int, ...] = CURVE_SIZES,
+                            repeats: int = 5) -> dict[str, list[CostPoint]]:
+    """`forward_cost` of a compiled runner's steps run eagerly and compiled (each height's graph compiled by the
+    warm-up pass), timed in the same rounds: the two curves side by side, as the machine drifts."""
+    steps = _steps_over_context(runner, context, sizes, 1)
+
+    def eagerly(run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def eager_run() -> torch.Tensor:
+            with runner.eager():
+                return run()
+        return eager_run
+
+    runs = {**{("eager", k): eagerly(run) for k, run in steps.items()}, **{("compiled", k): steps[k] for k in sizes}}
+    fastest = _fastest_rounds(runs, repeats, runner.device, lambda key: _samples_by_height(key[1]))
+    return {path: _points(sizes, {k: fastest[path, k] for k in sizes}) for path in ("eager", "compiled")}
+
+
+def _points(sizes: Sequence[int], fastest: dict[int, float]) -> list[CostPoint]:
+    return [CostPoint(k, fastest[k], fastest[k] / fastest[sizes[0]]) for k in sizes]
 
 
 # Steps of up to this many rows (all sequences together) are timed SHORT_STEP_SAMPLES times a round, taller

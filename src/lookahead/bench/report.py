@@ -134,14 +134,20 @@ def _bars(path: Path, rows: list[Summary], field: str, label: str) -> Path:
     return _save(fig, ax, path)
 
 
-def write_cost(out: Path, points: list[CostPoint], env: dict) -> list[Path]:
+def write_cost(out: Path, curves: dict[str, list[CostPoint]], env: dict) -> list[Path]:
+    """cost.json (each curve's points; "points": the last, the path decoding takes) and cost.png (ms per step)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cost.json").write_text(json.dumps({"environment": env, "points": [asdict(p) for p in points]}, indent=1))
+    points = list(curves.values())[-1]
+    (out / "cost.json").write_text(json.dumps({"environment": env, "points": [asdict(p) for p in points],
+                                               "curves": {name: [asdict(p) for p in c] for name, c in curves.items()}},
+                                              indent=1))
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p.tokens for p in points], [p.relative for p in points], marker="o")
+    for name, curve in curves.items():
+        ax.plot([p.tokens for p in curve], [1000 * p.seconds for p in curve], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("new tokens per forward (k)")
-    ax.set_ylabel("T(k) / T(1)")
+    ax.set_ylabel("ms per forward")
+    ax.legend()
     return [out / "cost.json", _save(fig, ax, out / "cost.png")]
 
 
