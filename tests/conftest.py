@@ -29,7 +29,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from lookahead import cli, engine, quant
+from lookahead import cli, engine, kernels, quant
 from lookahead.baseline import hf_generate
 from lookahead.core.prices import StepPrices
 from lookahead.models import cache_root, load_model
@@ -185,8 +185,10 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return _FINGERPRINTS[model]
 
 
-# The call, and the quantised layers' code (a quantised model's output depends on it, not only on its weights).
-_REFERENCE_SOURCE = hashlib.blake2b((inspect.getsource(hf_generate) + inspect.getsource(quant)).encode(),
+# The call, and the quantised layers' code and our kernels' (a quantised model's output depends on them, not only on
+# its weights).
+_REFERENCE_SOURCE = hashlib.blake2b("".join([inspect.getsource(hf_generate), inspect.getsource(quant),
+                                             *(source.read_text() for source in kernels.SOURCES)]).encode(),
                                     digest_size=8).hexdigest()
 
 

@@ -5,6 +5,7 @@ at ties of the bfloat16 logits."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from lookahead import generate
+from lookahead import generate, kernels
 from lookahead.bench.runner import TieMeter
 from lookahead.prompts import encode_prompt
 from lookahead.quant import GROUP_SIZE, Int4Linear, Int8Linear, quantise_weights, rounding_dtype, weights_of
@@ -34,10 +35,15 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()
 
 
+OURS_RUN = pytest.mark.skipif(not kernels.runs_q4(), reason="our 4-bit kernel needs AVX-512 BF16")
+
+
+@pytest.mark.parametrize("ours", [False, pytest.param(True, marks=OURS_RUN)])
 @given(seed=st.integers(0, 2**16), rows=st.integers(1, 9), bias=st.booleans())
-def test_int4_layer_computes_with_its_groups_scale_and_minimum(seed, rows, bias):
+def test_int4_layer_computes_with_its_groups_scale_and_minimum(ours, seed, rows, bias):
     """A weight that groups of 32 represent exactly (code * scale + minimum, both powers of two) comes out
-    exact: the layer's output is the float product of the bfloat16-rounded input, rounded to bfloat16."""
+    exact: the layer's output is the float product of the bfloat16-rounded input, rounded to bfloat16 (torch's
+    kernel rounds the bias in too; ours adds it before rounding)."""
     generator = torch.Generator().manual_seed(seed)
     out_features, in_features = 64, 3 * GROUP_SIZE
     codes = torch.randint(0, 16, (out_features, in_features), generator=generator).float()
@@ -49,8 +55,17 @@ def test_int4_layer_computes_with_its_groups_scale_and_minimum(seed, rows, bias)
     weight = codes * scale.repeat_interleave(GROUP_SIZE, 1) + minimum.repeat_interleave(GROUP_SIZE, 1)
     layer = _linear(weight, bias)
     x = torch.randn(rows, in_features, generator=generator)
-    expected = _bf16(_bf16(x) @ weight.T) + (layer.bias.detach() if bias else 0)
-    torch.testing.assert_close(Int4Linear(layer)(x), expected, rtol=2**-7, atol=1e-6)
+    int4 = Int4Linear(layer, ours=ours)
+    if not ours:
+        expected = _bf16(_bf16(x) @ weight.T) + (layer.bias.detach() if bias else 0)
+        torch.testing.assert_close(int4(x), expected, rtol=2**-7, atol=1e-6)
+        return
+    out = int4(x)
+    assert torch.equal(out, _bf16(out))
+    expected = _bf16(x).double() @ weight.double().T + (layer.bias.detach().double() if bias else 0)
+    # Rounded to bfloat16 (2^-9), and a code enters the products as 128 + code (`linear_q4.c`): float32 sums of
+    # larger terms, ~2^-24 * 136 * sum |x| * scale a group, taken back after.
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-4)
 
 
 def test_int8_layer_computes_with_a_scale_per_output_channel():
@@ -63,7 +78,8 @@ def test_int8_layer_computes_with_a_scale_per_output_channel():
     torch.testing.assert_close(Int8Linear(layer)(x), _bf16(_bf16(x) @ (codes * scale).T), rtol=2**-7, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", [Int4Linear, Int8Linear])
+@pytest.mark.parametrize("kind", [functools.partial(Int4Linear, ours=False),
+                                  pytest.param(functools.partial(Int4Linear, ours=True), marks=OURS_RUN), Int8Linear])
 def test_each_row_is_computed_on_its_own(kind):
     """What lookahead's exactness rests on: a row's output does not depend on the rows fed with it."""
     torch.manual_seed(0)
@@ -80,6 +96,7 @@ def test_quantise_weights_swaps_every_linear(llama_tiny):
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert isinstance(model.lm_head, Int8Linear)  # the output layer stays at 8 bits, as GGUF files keep it
     assert isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
+    assert model.model.layers[0].mlp.down_proj.ours == kernels.runs_q4()  # our kernel wherever it runs
     assert weights_of(model) == "int4" and weights_of(llama_tiny) is None
     assert rounding_dtype(model) == torch.bfloat16 and rounding_dtype(llama_tiny) == torch.float32
     # an input size that groups of 32 do not divide falls back to int8
