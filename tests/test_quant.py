@@ -15,6 +15,7 @@ from torch import nn
 
 from lookahead import generate, kernels
 from lookahead.bench.runner import TieMeter
+from lookahead.hf import PackedLinears
 from lookahead.prompts import encode_prompt
 from lookahead.quant import GROUP_SIZE, Int4Linear, Int8Linear, quantise_weights, rounding_dtype, weights_of
 from lookahead.workloads import load_workload
@@ -178,3 +179,40 @@ def test_layers_of_shapes_the_kernels_do_not_take_keep_working():
         Int8Linear(nn.Linear(40, 8))
     with pytest.raises(ValueError, match="int4 needs in_features divisible by 32 and out_features by 16, got 64 and 1"):
         Int4Linear(nn.Linear(64, 1))
+
+
+class _SharedInput4(nn.Module):
+    """Three 4-bit layers on one input (as a layer's query, key and value), one on another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v, self.out = (Int4Linear(nn.Linear(64, n, bias=bias), ours=True)
+                                            for n, bias in ((64, True), (16, True), (32, True), (64, False)))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [self.q(x), self.k(x), self.v(x), self.out(x * 2)]
+
+
+@OURS_RUN
+def test_our_4_bit_layers_on_one_input_run_stacked_each_output_as_alone():
+    """The "q4" packer: after the first forward, our 4-bit layers that took the same input run as one call over
+    their codes stacked, and each output is bit-identical to its own layer's."""
+    module = _SharedInput4()
+    packed = PackedLinears(module, "q4")
+    x = torch.randn(3, 5, 64)
+    expected = module(x)
+    for _ in range(2):  # the first forward finds the group, the second runs it
+        with packed.active():
+            got = module(x)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert [group.members for group in packed.groups] == [[module.q, module.k, module.v]]
+
+
+@OURS_RUN
+def test_int4_lookahead_on_stacked_layers_follows_generate(llama_tiny):
+    model = quantise_weights(copy.deepcopy(llama_tiny), "int4")
+    assert "q4" in PackedLinears.packers(model)
+    prompt = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(4))
+    expected = generate(model, prompt, max_new_tokens=30, packed_linear=False).sequences
+    assert torch.equal(generate(model, prompt, max_new_tokens=30, packed_linear=True).sequences, expected)

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 
 from . import kernels
 from .attention import RaggedLayout, ragged_rows, routes, stacked_heads
+from .quant import Int4Linear
 from .runtime.batch import StepBatch, causal_step, pack_steps, pad_batch
 from .runtime.kv import KVStore
 
@@ -50,7 +51,9 @@ class PackedLinears:
     """Prepacked copies of a CPU model's `nn.Linear` weights, swapped in for our eager forward passes only.
 
     Three packers: MKL's packed single-precision GEMM (float32), oneDNN's prepacked linear (float32 or
-    bfloat16) and our own kernel (float32, AVX-512: `kernels`). Which one runs, and from which step height, is
+    bfloat16) and our own kernel (float32, AVX-512: `kernels`); and "q4", which runs our 4-bit layers
+    (`quant.Int4Linear` on our kernel) as they are, stacking those that share an input (a one-row int4 step of
+    the default model: 210 calls -> 120). Which one runs, and from which step height, is
     measured per machine (`costs.cost_curve`): on an AMD EPYC oneDNN ran 1.4-1.6x faster than the default BLAS
     path for the 1..64-row inputs of decoding steps (whose one-row product runs on one thread), before its
     weights were reordered for many rows (`_PACKED_ROWS`), which made it faster again, and our kernel faster
@@ -69,7 +72,10 @@ class PackedLinears:
         self._forwards: list[tuple[torch.nn.Linear, Callable[[torch.Tensor], torch.Tensor]]] = []
         packed: dict[tuple[int, int], Callable[[torch.Tensor], torch.Tensor]] = {}  # a tied weight packed once
         for module in model.modules():
-            if type(module) is torch.nn.Linear:
+            if packer == "q4":  # our 4-bit layers run as they are, stacked where they share an input
+                if isinstance(module, Int4Linear) and module.ours:
+                    self._forwards.append((module, module.forward))
+            elif type(module) is torch.nn.Linear:
                 weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
                 key = (id(module.weight), id(module.bias))
                 if key not in packed:
@@ -78,8 +84,9 @@ class PackedLinears:
         # oneDNN's linears that the model calls on one input (a layer's query, key and value projections; its
         # gate and up projections) run as one linear over their weights stacked, found in the first forward.
         self.groups: list[_SharedInputLinears] = []
-        self._finds_groups = packer in ("onednn", "native")
-        self.argmax_output = ArgmaxOutputLayer.of(model, dict(self._forwards)) if self._finds_groups else None
+        self._finds_groups = packer in ("onednn", "native", "q4")
+        self.argmax_output = (ArgmaxOutputLayer.of(model, dict(self._forwards)) if packer in ("onednn", "native")
+                              else None)
 
     @staticmethod
     def packers(model: torch.nn.Module) -> tuple[str, ...]:
@@ -88,14 +95,15 @@ class PackedLinears:
         only those whose copy takes at most half the memory free now (MKL's packs took twice the bytes of the
         default model's float32 weights, oneDNN's and ours about once)."""
         weights = linear_bytes(model)
-        if model.device.type != "cpu" or is_sharded(model) or not weights:
+        q4 = any(isinstance(module, Int4Linear) and module.ours for module in model.modules())
+        if model.device.type != "cpu" or is_sharded(model) or not (weights or q4):
             return ()
         room = available_memory() / 2
-        mkl = model.dtype == torch.float32 and torch.backends.mkl.is_available() and 2 * weights <= room
+        mkl = (model.dtype == torch.float32 and torch.backends.mkl.is_available() and 0 < 2 * weights <= room)
         onednn = (model.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-                  and weights <= room)
-        native = model.dtype == torch.float32 and weights <= room and kernels.library() is not None
-        return ("mkl",) * mkl + ("onednn",) * onednn + ("native",) * native
+                  and 0 < weights <= room)
+        native = model.dtype == torch.float32 and 0 < weights <= room and kernels.library() is not None
+        return ("mkl",) * mkl + ("onednn",) * onednn + ("native",) * native + ("q4",) * q4
 
     @contextmanager
     def active(self, argmax_only: bool = False) -> Iterator[None]:
@@ -139,7 +147,8 @@ class PackedLinears:
                 members.append(module)
         self._finds_groups = False
         for members in by_input.values():
-            alike = {(m.in_features, m.weight.dtype, m.bias is None) for m in members}
+            alike = {(type(m), m.in_features, None if isinstance(m, Int4Linear) else m.weight.dtype, m.bias is None)
+                     for m in members}
             if len(members) > 1 and len(alike) == 1 and all(len(took[m]) == 1 for m in members):
                 self.groups.append(_SharedInputLinears(self.packer, members))
         forwards = {module: forward for group in self.groups for module, forward in group.forwards()}
@@ -161,11 +170,15 @@ class _SharedInputLinears:
     called on an input computes every member's output, each member's call takes its columns. A member called
     again, or on another input, computes the whole again."""
 
-    def __init__(self, packer: str, members: list[torch.nn.Linear]) -> None:
+    def __init__(self, packer: str, members: list[torch.nn.Module]) -> None:
         self.members = members
-        weight = torch.cat([m.weight.detach() for m in members])
         bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
-        self._forward = _packed_forward(packer, weight, bias)
+        if packer == "q4":  # whole panels of 16 features each: stacked, each output computed as alone
+            bias = None if bias is None else bias.float()
+            self._forward = functools.partial(kernels.linear_q4, codes=torch.cat([m.codes for m in members]),
+                                              scales=torch.cat([m.scales_and_zeros for m in members]), bias=bias)
+        else:
+            self._forward = _packed_forward(packer, torch.cat([m.weight.detach() for m in members]), bias)
         ends = list(itertools.accumulate(m.out_features for m in members))
         self._columns = list(zip([0] + ends[:-1], ends))
         self._input: torch.Tensor | None = None
