@@ -4,6 +4,7 @@ and a compiler failure must leave a warning and an eager run with the same outpu
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from lookahead.config import PLAIN_CONFIG
 from lookahead.costs import CostCurve
 from lookahead.engine import Engine, RequestParams
 from lookahead.hf import COMPILED_HEIGHTS, HFModelRunner
+from lookahead.quant import quantise_weights
 from lookahead.runtime.batch import causal_step, pack_steps, pad_batch
 
 
@@ -109,8 +111,8 @@ def _linear_ops_of_a_compiled_step(runner: HFModelRunner, prompt: torch.Tensor, 
     runner.forward(store, step)  # compiles
     with profile() as profiled:
         runner.forward(store, step)
-    linear_ops = ("lookahead::linear_f32", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
-                  "mkl::_mkl_linear")
+    linear_ops = ("lookahead::linear_f32", "lookahead::linear_q4", "mkldnn::_linear_pointwise", "aten::mm",
+                  "aten::addmm", "aten::linear", "mkl::_mkl_linear")
     return [event.name for event in profiled.events() if event.name in linear_ops]
 
 
@@ -130,6 +132,22 @@ def test_compiled_steps_on_a_cpu_call_our_kernel_from_the_graph(llama_tiny):
         # Per layer: q/k/v stacked, o, gate/up stacked, down; then the output layer.
         assert _linear_ops_of_a_compiled_step(runner, prompt, rows) == ["lookahead::linear_f32"] * (4 * layers + 1)
     assert set(runner.compile_seconds) == {1, 4}
+
+
+@pytest.mark.slow  # compiling takes seconds per step shape
+@pytest.mark.skipif(not lookahead.kernels.runs_q4(), reason="our 4-bit kernel needs AVX-512 BF16")
+def test_compiled_int4_steps_call_our_4_bit_kernel_from_the_graph(llama_tiny):
+    """With int4 weights, compiled steps (one row too) call our 4-bit kernel as an op of the graph, the layers
+    that share an input stacked, nothing frozen; greedy decoding so gives the eager output."""
+    model = quantise_weights(copy.deepcopy(llama_tiny), "int4")
+    runner = HFModelRunner(model, compile=True)
+    assert runner.compiled_kernel and not runner.freezes and runner.compiled_heights == COMPILED_HEIGHTS
+    prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(6))
+    eager = generate(model, prompt, max_new_tokens=16, config=PLAIN_CONFIG)
+    assert torch.equal(generate(model, prompt, max_new_tokens=16, config=PLAIN_CONFIG, compile=True).sequences,
+                       eager.sequences)
+    layers = model.config.num_hidden_layers
+    assert _linear_ops_of_a_compiled_step(runner, prompt, 1) == ["lookahead::linear_q4"] * (4 * layers)
 
 
 @pytest.mark.slow  # compiling takes seconds per step shape

@@ -404,10 +404,11 @@ class HFModelRunner:
                              "packed copy of its linear weights")
         self.packing: bool | None = packed_linear if packed_linear is not None else (None if self.packers else False)
         self._compiled = _compiled_forward(model, self.compile_mode) if self.compile else None
-        # Where our kernel runs, compiled steps call it from the graph (`kernels.linear_op`) on one packed copy
-        # of the weights: a one-row float32 step of the default model 1.1-1.2x faster than eager (2-core EPYC,
-        # session 28), where inductor's fused pointwise code replaces some 2,000 eager ops of the layers.
-        self.compiled_kernel = self.compile and "native" in self.packers
+        # Where our kernels run, compiled steps call them from the graph (`kernels.linear_op`, `linear_q4_op`): the
+        # float32 one on one packed copy of the weights, the 4-bit one on the layers' own (stacked where they share
+        # an input); float32 steps of the default model 1-7% faster than eager (2-core EPYC, session 28), where
+        # inductor's fused pointwise code replaces some 2,000 eager ops of the layers.
+        self.compiled_kernel = self.compile and bool({"native", "q4"} & set(self.packers))
         # Otherwise, on a CPU, compiled steps freeze the weights (`_freezing`): a packed copy of the linear weights
         # per graph, two graphs (one sequence, several); where they would not fit in half the free memory, none.
         self.freezes = (self.compile and not self.compiled_kernel and model.device.type == "cpu"
@@ -443,17 +444,17 @@ class HFModelRunner:
 
     @property
     def _compiled_packer(self) -> str | None:
-        return "native" if self.compiled_kernel else None
+        return next(packer for packer in ("native", "q4") if packer in self.packers) if self.compiled_kernel else None
 
     def _compiled_linears(self) -> AbstractContextManager:
         """The linears of compiled steps: ours, traced as an op of the graph, or frozen and packed by inductor."""
         if not self.compiled_kernel:
             return _freezing() if self.freezes else nullcontext()
-        packs = _PACKED.setdefault(self.model, {})
-        if "native" not in packs:
-            packs["native"] = PackedLinears(self.model, "native")
-        packs["native"].find_groups(self.model)
-        return packs["native"].active()
+        packer, packs = self._compiled_packer, _PACKED.setdefault(self.model, {})
+        if packer not in packs:
+            packs[packer] = PackedLinears(self.model, packer)
+        packs[packer].find_groups(self.model)
+        return packs[packer].active()
 
     @property
     def packer(self) -> str | None:
