@@ -437,6 +437,19 @@ def test_each_compile_mode_has_its_own_measured_curve(llama_tiny, monkeypatch, c
     assert faster.relative == pytest.approx([1.0, 1.5, 2.5, 6.0])
 
 
+@pytest.mark.skipif(lookahead.kernels.library() is None, reason="our kernel does not build or run here")
+def test_compiled_steps_on_our_kernels_and_frozen_ones_have_their_own_curves(llama_tiny, monkeypatch, costs):
+    """A curve measured while compiled steps froze their weights does not price steps that call our kernels."""
+    times = iter([[4.0, 5.0, 7.0, 14.0], [2.0, 3.0, 5.0, 12.0]])
+    monkeypatch.setattr(costs, "_step_seconds", lambda runner, sizes, batch:
+                        {"sizes": list(sizes), "seconds": next(times), "one_row": 10.0})
+    ours = HFModelRunner(llama_tiny, compile=True)
+    frozen = HFModelRunner(llama_tiny, compile=True)
+    frozen.compiled_kernel = False
+    assert costs.cost_curve(frozen).relative == pytest.approx([1.0, 1.25, 1.75, 3.5])
+    assert costs.cost_curve(ours).relative == pytest.approx([1.0, 1.5, 2.5, 6.0]) and ours.compiled_kernel
+
+
 def test_a_stored_compiled_curve_is_measured_again_where_a_row_now_runs_much_faster(
         llama_tiny, monkeypatch, costs, tmp_path):
     """Like the eager curves, a compiled curve keeps the eager one-row step timed in its rounds and is measured

@@ -324,8 +324,10 @@ def _path_curve(runner: HFModelRunner, sizes: Sequence[int], batch: int) -> Cost
     ones less a fixed saving (the model this replaced): on a 2-core Xeon with AMX, in bfloat16, compiling
     saved 14 ms of a one-row step (45.4 -> 31.6 ms) and little of taller ones, so a step of 16 rows cost
     1.12x a one-row step compiled where the eager curve less the saving said 1.29x."""
+    # Named by how compiled steps run their linears too: our kernels from the graph, or frozen for inductor's packs.
     compiled = "" if not runner.compile else "-compiled" + (
-        "" if runner.compile_mode == "default" else f"-{runner.compile_mode}")
+        "" if runner.compile_mode == "default" else f"-{runner.compile_mode}") + (
+        "-kernels" if runner.compiled_kernel else "")
     measured = _stored(cache_root() / "costs" / f"{_path_key(runner)}-b{batch}{compiled}.json",
                        lambda: _step_seconds(runner, sizes, batch), runner,
                        lambda measured: _one_row_now(runner) < REMEASURE_BELOW * measured["one_row"])
