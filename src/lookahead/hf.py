@@ -90,10 +90,11 @@ class PackedLinears:
 
     @staticmethod
     def packers(model: torch.nn.Module) -> tuple[str, ...]:
-        """The packers that can run this model's linears: none off the CPU or without an `nn.Linear`; MKL
-        for float32, oneDNN for float32 or bfloat16, ours for float32 where it builds (`kernels.library`);
+        """The packers that can run this model's linears: none off the CPU; for its `nn.Linear` layers, MKL
+        for float32, oneDNN for float32 or bfloat16, ours for float32 where it builds (`kernels.library`),
         only those whose copy takes at most half the memory free now (MKL's packs took twice the bytes of the
-        default model's float32 weights, oneDNN's and ours about once)."""
+        default model's float32 weights, oneDNN's and ours about once); "q4" where 4-bit layers run on our
+        kernel (no copy beyond the stacked layers')."""
         weights = linear_bytes(model)
         q4 = any(isinstance(module, Int4Linear) and module.ours for module in model.modules())
         if model.device.type != "cpu" or is_sharded(model) or not (weights or q4):
