@@ -18,7 +18,6 @@ import pytest
 from conftest import reference_greedy
 
 from lookahead.prompts import encode_messages
-from lookahead.parallel import free_port
 from lookahead.serve import create_app, serve_in_thread
 
 pytestmark = pytest.mark.slow
@@ -385,11 +384,14 @@ def test_the_corpus_is_kept_per_api_key(server):
 
 def test_the_serve_command_starts_on_the_default_model():
     import shutil
+    import socket
     import subprocess
     import sys
     from pathlib import Path
 
-    port = free_port()
+    with socket.socket() as probe:  # a port free now (the command takes a port number)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     command = shutil.which("lookahead", path=str(Path(sys.executable).parent))
     # One thread, as each test worker runs: the server reads the cost curves the workers measured instead of
     # measuring its own on two threads beside them (103 s to answer in a fresh CI run, of a 120 s deadline).

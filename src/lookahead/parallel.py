@@ -18,7 +18,7 @@ import hashlib
 import os
 import pickle
 import signal
-import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -148,12 +148,6 @@ def _check_same_call(group, device: torch.device, *arguments) -> None:
                          "call on every rank")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class WorkerError(RuntimeError):
     """A process of `run_workers` failed (the others were stopped)."""
 
@@ -176,24 +170,28 @@ def run_workers(workers: int, target: Callable[..., object], *args, threads: int
     if method == "forkserver":
         processes.set_forkserver_preload(["torch", "transformers", __name__])
     messages = processes.SimpleQueue()
-    context = mp.start_processes(_worker, (workers, free_port(), threads, timeout, dict(os.environ), messages, target,
-                                           args),
-                                 nprocs=workers, join=False, start_method=method)
-    received: list[tuple[str, object]] = []
+    # The workers meet through a file of their own, not a TCP port picked free beforehand: two calls at once (two
+    # test processes, say) could pick the same port between its probe and its use, and one group's worker then
+    # joined the other's (a fresh-clone CI run, session 28: "Connection closed by peer", a worker exiting).
+    with tempfile.TemporaryDirectory(prefix="lookahead-workers-") as rendezvous:
+        context = mp.start_processes(_worker, (workers, f"file://{rendezvous}/store", threads, timeout, dict(os.environ),
+                                               messages, target, args),
+                                     nprocs=workers, join=False, start_method=method)
+        received: list[tuple[str, object]] = []
 
-    def drain() -> None:
-        while not messages.empty():
-            received.append(messages.get())
+        def drain() -> None:
+            while not messages.empty():
+                received.append(messages.get())
 
-    # Messages are read while the workers run: a result larger than the pipe's buffer (64 KiB) would
-    # otherwise block rank 0 in its write while we wait for it to exit.
-    try:
-        while not context.join(timeout=0.05):
+        # Messages are read while the workers run: a result larger than the pipe's buffer (64 KiB) would
+        # otherwise block rank 0 in its write while we wait for it to exit.
+        try:
+            while not context.join(timeout=0.05):
+                drain()
+        except ProcessException:
             drain()
-    except ProcessException:
+            raise WorkerError(_first_failure(context.processes, received, workers)) from None
         drain()
-        raise WorkerError(_first_failure(context.processes, received, workers)) from None
-    drain()
     return pickle.loads(next(payload for kind, payload in received if kind == "result"))
 
 
@@ -216,14 +214,13 @@ def _first_failure(processes, received: list[tuple[str, object]], workers: int) 
     return f"a worker of {workers} failed without a message"
 
 
-def _worker(rank: int, workers: int, port: int, threads: int, timeout: timedelta, environment: dict[str, str],
+def _worker(rank: int, workers: int, rendezvous: str, threads: int, timeout: timedelta, environment: dict[str, str],
             messages, target, args) -> None:
     os.environ.clear()
     os.environ.update(environment)
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=workers,
-                            timeout=timeout)
     try:
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=workers, timeout=timeout)
         result = target(*args)
         if rank == 0:  # plain pickle: tensors travel by value, not as shared memory that dies with the process
             messages.put(("result", pickle.dumps(result)))
@@ -233,4 +230,5 @@ def _worker(rank: int, workers: int, port: int, threads: int, timeout: timedelta
         messages.put(("error", (time.monotonic(), rank, lines[-1] if lines else type(error).__name__)))
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
