@@ -90,16 +90,18 @@ def eager_and_compiled_cost(runner: HFModelRunner, context: int = 256, sizes: tu
     """`forward_cost` of a compiled runner's steps run eagerly and compiled (each height's graph compiled by the
     warm-up pass), timed in the same rounds: the two curves side by side, as the machine drifts."""
     steps = _steps_over_context(runner, context, sizes, 1)
-
-    def eagerly(run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        def eager_run() -> torch.Tensor:
-            with runner.eager():
-                return run()
-        return eager_run
-
-    runs = {**{("eager", k): eagerly(run) for k, run in steps.items()}, **{("compiled", k): steps[k] for k in sizes}}
+    runs = {**{("eager", k): _eagerly(runner, run) for k, run in steps.items()},
+            **{("compiled", k): steps[k] for k in sizes}}
     fastest = _fastest_rounds(runs, repeats, runner.device, lambda key: _samples_by_height(key[1]))
     return {path: _points(sizes, {k: fastest[path, k] for k in sizes}) for path in ("eager", "compiled")}
+
+
+def _eagerly(runner: HFModelRunner, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """`run` with the runner's steps run eagerly, compiled runner or not."""
+    def eager_run() -> torch.Tensor:
+        with runner.eager():
+            return run()
+    return eager_run
 
 
 def _points(sizes: Sequence[int], fastest: dict[int, float]) -> list[CostPoint]:
@@ -342,13 +344,8 @@ def _step_seconds(runner: HFModelRunner, sizes: Sequence[int], batch: int) -> di
     (dynamo marks the sizes dynamic: one graph for one row, one for more, per number of sequences above one)."""
     with runner.untimed():
         one_row = _steps_over_context(runner, MEASURED_CONTEXT, (1,), 1)[1]
-
-        def eager_one_row() -> torch.Tensor:
-            with runner.eager():
-                return one_row()
-
         runs: dict = dict(_steps_over_context(runner, MEASURED_CONTEXT, sizes, batch))
-        runs["one_row"] = eager_one_row
+        runs["one_row"] = _eagerly(runner, one_row)
         fastest = _fastest_rounds(runs, 5, runner.device,
                                   lambda key: _samples_by_height(1 if key == "one_row" else batch * key))
     return {"sizes": list(sizes), "seconds": [fastest[h] for h in sizes], "one_row": fastest["one_row"]}
