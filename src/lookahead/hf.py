@@ -61,7 +61,7 @@ class PackedLinears:
     packed weights cost 2% more for one row and 23-31% less for 4 to 16 rows (the default BLAS call repacks
     the whole weight on each call from 4 rows on). oneDNN's packs and ours also stack the linears that the
     model calls on one input (`_group`). Compiled steps on a CPU call our kernel's packs as an op of the graph
-    (`kernels.linear_op`) or, where it does not run, are frozen: inductor packs the weights itself (`_freezing`).
+    (`torch.ops.lookahead.linear_f32`) or, where it does not run, are frozen: inductor packs the weights itself (`_freezing`).
     The model itself is left as it was: the packed forward is set on each Linear instance on entering
     `active()` and removed on leaving. It costs a copy of the linear weights (MKL's: twice their bytes),
     taken when first used: later in-place weight changes are not seen.
@@ -405,7 +405,7 @@ class HFModelRunner:
                              "packed copy of its linear weights")
         self.packing: bool | None = packed_linear if packed_linear is not None else (None if self.packers else False)
         self._compiled = _compiled_forward(model, self.compile_mode) if self.compile else None
-        # Where our kernels run, compiled steps call them from the graph (`kernels.linear_op`, `linear_q4_op`): the
+        # Where our kernels run, compiled steps call them from the graph (`torch.ops.lookahead`, `kernels`): the
         # float32 one on one packed copy of the weights, the 4-bit one on the layers' own (stacked where they share
         # an input); float32 steps of the default model 1-7% faster than eager (2-core EPYC, session 28), where
         # inductor's fused pointwise code replaces some 2,000 eager ops of the layers.

@@ -1,12 +1,13 @@
-"""Our own linear kernels for CPU decoding steps, built at first use with the system's C compiler and loaded
-through ctypes: no torch headers, so building them takes about a second.
+"""Our own linear kernels for CPU decoding steps, built at first use with the system's C and C++ compilers
+against the installed torch (about 10 seconds, then cached), and registered as torch operators (`ops.cpp`):
+`torch.ops.lookahead.linear_f32` and `linear_q4`, which eager steps call and compiled graphs call as ops of theirs.
 
 - `linear_f32.c`, float32 weights. Why: oneDNN's packed linear, the fastest library path measured on our CPUs,
   spends ~10 us of each call outside the product (a one-row 8 x 576 linear: 11 us, against 1.5 us for the BLAS
   call), 120 calls a step on the default model, and reads the weights at ~41 GB/s across a layer's mixed shapes.
   This kernel, on 16-feature panels, read the 30 layers' weights of one-row steps in 0.81x oneDNN's time and was
-  within 0.94-1.06x of it from 6 to 256 rows (2-core EPYC, session 27). Offered where the CPU has AVX-512 and a
-  C compiler with OpenMP builds it; the cost curve (`costs.cost_curve`) then measures it beside the other
+  within 0.94-1.06x of it from 6 to 256 rows (2-core EPYC, session 27). Offered where the CPU has AVX-512 and the
+  compilers (with OpenMP) build it; the cost curve (`costs.cost_curve`) then measures it beside the other
   linear paths and keeps the fastest.
 - `linear_q4.c`, 4-bit weights in GGUF Q4_1's groups (`quant.Int4Linear`), on CPUs with AVX-512 BF16. Why:
   torch's int4 CPU kernel took 24 us for a one-row 576 x 1536 product (18 GB/s) and 2.2x that for 8 rows,
@@ -16,65 +17,91 @@ through ctypes: no torch headers, so building them takes about a second.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
 from filelock import FileLock
+from torch.utils.cpp_extension import include_paths, library_paths
 
 from ..models import cache_root
 
-SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+SOURCES = sorted(Path(__file__).parent.glob("*.c")) + [Path(__file__).parent / "ops.cpp"]
 PANEL = 16  # output features per panel of a packed weight
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The built kernel, loaded; None where it cannot run here (no AVX-512, no compiler, or the build failed)."""
+def library() -> Path | None:
+    """The built kernels, loaded into torch; None where they cannot run here (no AVX-512, no compilers, or the
+    build failed)."""
     cpu = Path("/proc/cpuinfo")
     if platform.machine() not in ("x86_64", "AMD64") or not cpu.is_file():
         return None
     flags = next((line for line in cpu.read_text().splitlines() if line.startswith("flags")), "")
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if "avx512f" not in flags.split() or compiler is None:
+    compilers = [shutil.which(os.environ.get(name, default)) for name, default in (("CC", "cc"), ("CXX", "c++"))]
+    if "avx512f" not in flags.split() or None in compilers:
         return None
-    # Built for this CPU (-march=native): its flags, the compiler and the sources name the build.
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.blake2b("\n".join([*(source.read_text() for source in SOURCES), flags, version]).encode(),
-                          digest_size=12).hexdigest()
-    built = cache_root() / "kernels" / f"linear-{key}.so"
+    # Built for this CPU (-march=native) and this torch: the CPU's flags, the compilers, torch's version and
+    # the sources name the build.
+    versions = [subprocess.run([c, "--version"], capture_output=True, text=True).stdout for c in compilers]
+    key = hashlib.blake2b("\n".join([*(source.read_text() for source in SOURCES), flags, *versions,
+                                     torch.__version__]).encode(), digest_size=12).hexdigest()
+    built = cache_root() / "kernels" / f"kernels-{key}.so"
     built.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(built.with_name(f".{built.name}.lock")):
-        if not built.is_file():
-            partial = built.with_name(f"{built.name}.{os.getpid()}.partial")
-            result = subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
-                                     *map(str, SOURCES), "-o", str(partial)], capture_output=True, text=True)
-            if result.returncode != 0:
-                partial.unlink(missing_ok=True)
-                return None
-            os.replace(partial, built)
-    try:
-        lib = ctypes.CDLL(str(built))
-    except OSError:  # built, yet not loadable here (its OpenMP runtime missing, say)
-        return None
-    lib.linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    lib.linear_f32.restype = None
-    if hasattr(lib, "linear_q4"):  # built only where the compiler targets AVX-512 BF16 (-march=native)
-        lib.linear_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
-        lib.linear_q4.restype = None
-    return lib
+        if not built.is_file() and not _build(*compilers, built):
+            return None
+    if not hasattr(torch.ops.lookahead, "linear_f32"):  # a process loads the operators once
+        try:
+            torch.ops.load_library(str(built))
+        except OSError:  # built, yet not loadable here (its OpenMP runtime missing, say)
+            return None
+        _register_fakes()
+    return built
+
+
+def _build(cc: str, cxx: str, built: Path) -> bool:
+    """Compile the C kernels and link them with their operators (`ops.cpp`) into `built`; False where a step fails."""
+    torch_lib = library_paths()[0]
+    partial = built.with_name(f"{built.name}.{os.getpid()}.partial")
+    with tempfile.TemporaryDirectory() as work:
+        kernels = [source for source in SOURCES if source.suffix == ".c"]
+        objects = [str(Path(work) / f"{source.stem}.o") for source in kernels]
+        commands = [[cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-c", str(source), "-o", obj]
+                    for source, obj in zip(kernels, objects)]
+        commands.append([cxx, "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
+                         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                         *(f"-I{path}" for path in include_paths()), str(Path(__file__).parent / "ops.cpp"),
+                         *objects, f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu",
+                         "-o", str(partial)])
+        if any(subprocess.run(command, capture_output=True).returncode != 0 for command in commands):
+            partial.unlink(missing_ok=True)
+            return False
+    os.replace(partial, built)
+    return True
+
+
+def _register_fakes() -> None:
+    """The operators' output shapes, for compiled graphs to trace them."""
+    @torch.library.register_fake("lookahead::linear_f32")
+    def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, features: int) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], features)
+
+    if hasattr(torch.ops.lookahead, "linear_q4"):
+        @torch.library.register_fake("lookahead::linear_q4")
+        def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return x.new_empty(*x.shape[:-1], codes.shape[0] * PANEL, dtype=torch.float32)
 
 
 def runs_q4() -> bool:
     """Whether the 4-bit kernel runs here (built, on a CPU with AVX-512 BF16)."""
-    lib = library()
-    return lib is not None and hasattr(lib, "linear_q4")
+    return library() is not None and hasattr(torch.ops.lookahead, "linear_q4")
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -86,27 +113,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, features: int) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for float32 `x` of any leading shape, `packed = pack(weight)`. Inside a
-    compiled forward, an opaque op of the graph (`linear_op`), which inductor calls as it is."""
-    if torch.compiler.is_compiling():
-        return linear_op(x, packed, bias, features)
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(rows.shape[0], features, dtype=torch.float32)
-    library().linear_f32(rows.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                         rows.shape[0], features, rows.shape[1], torch.get_num_threads())
-    return out.view(*x.shape[:-1], features)
-
-
-@torch.library.custom_op("lookahead::linear_f32", mutates_args=())
-def linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, features: int) -> torch.Tensor:
-    """`linear` as an op of torch's: compiled forwards call our kernel through it (eager ones call it directly,
-    2 us a call less)."""
-    return linear(x, packed, bias, features)
-
-
-@linear_op.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, features: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], features)
+    """`F.linear(x, weight, bias)` for float32 `x` of any leading shape, `packed = pack(weight)`; a float32 bias."""
+    return torch.ops.lookahead.linear_f32.default(x, packed, bias, features)
 
 
 def pack_q4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,25 +132,6 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tup
 
 
 def linear_q4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The 4-bit linear (`pack_q4`'s layout; a float32 bias or None) for float32 `x` of any leading shape. Inside a
-    compiled forward, an opaque op of the graph (`linear_q4_op`)."""
-    if torch.compiler.is_compiling():
-        return linear_q4_op(x, codes, scales, bias)
-    features, inputs = codes.shape[0] * PANEL, codes.shape[1] * 4
-    rows = x.reshape(-1, inputs).float().contiguous()
-    out = torch.empty(rows.shape[0], features)
-    library().linear_q4(rows.data_ptr(), codes.data_ptr(), scales.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                        out.data_ptr(), rows.shape[0], features, inputs, torch.get_num_threads())
-    return out.view(*x.shape[:-1], features)
-
-
-@torch.library.custom_op("lookahead::linear_q4", mutates_args=())
-def linear_q4_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
-                 ) -> torch.Tensor:
-    """`linear_q4` as an op of torch's, for compiled forwards."""
-    return linear_q4(x, codes, scales, bias)
-
-
-@linear_q4_op.register_fake
-def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], codes.shape[0] * PANEL, dtype=torch.float32)
+    """The 4-bit linear (`pack_q4`'s layout; a float32 bias or None) for `x` of any leading shape (taken as
+    float32); a float32 output."""
+    return torch.ops.lookahead.linear_q4.default(x, codes, scales, bias)
