@@ -399,6 +399,22 @@ def test_a_packed_forward_computes_the_linear_layer(packer):
             assert "forward" not in vars(linear)
 
 
+@needs_native
+def test_our_kernel_is_a_torch_operator_that_refuses_what_it_cannot_compute():
+    """`torch.ops.lookahead.linear_f32` (registered from C++) is the linear layer, and names the problem with a
+    float64 input, a weight packed for another input size, or a bias of the wrong length."""
+    weight, bias, x = torch.randn(40, 24), torch.randn(40), torch.randn(2, 3, 24)
+    packed = kernels.pack(weight)
+    torch.testing.assert_close(torch.ops.lookahead.linear_f32(x, packed, bias, 40),
+                               torch.nn.functional.linear(x, weight, bias))
+    with pytest.raises(RuntimeError, match="float32 input"):
+        kernels.linear(x.double(), packed, bias, 40)
+    with pytest.raises(RuntimeError, match="does not fit an input of 23"):
+        kernels.linear(x[..., :23], packed, bias, 40)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32 tensor of 40 features"):
+        kernels.linear(x, packed, bias[:39], 40)
+
+
 class _SharedInput(torch.nn.Module):
     """Three linears on one input (as a layer's query, key and value), one on another; `order` picks the calls."""
 

@@ -69,6 +69,14 @@ def test_int4_layer_computes_with_its_groups_scale_and_minimum(ours, seed, rows,
     torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-4)
 
 
+@OURS_RUN
+def test_our_4_bit_operator_refuses_an_input_of_another_size():
+    """`torch.ops.lookahead.linear_q4` (registered from C++) names the input size its packed weight takes."""
+    layer = Int4Linear(_linear(torch.randn(32, 2 * GROUP_SIZE), bias=False), ours=True)
+    with pytest.raises(RuntimeError, match=f"for an input of {2 * GROUP_SIZE}"):
+        kernels.linear_q4(torch.randn(1, GROUP_SIZE), layer.codes, layer.scales_and_zeros, None)
+
+
 def test_int8_layer_computes_with_a_scale_per_output_channel():
     generator = torch.Generator().manual_seed(0)
     codes = torch.randint(-127, 128, (48, 64), generator=generator).float()
