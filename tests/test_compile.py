@@ -87,7 +87,7 @@ def test_compiled_steps_give_greedy_generate_output():
 
 def test_a_compiler_failure_warns_and_runs_eagerly(llama_tiny, monkeypatch):
     def failing(model, mode):
-        def forward(**kwargs):
+        def forward(model, **kwargs):
             raise RuntimeError("no compiler here")
         return forward
 
@@ -535,3 +535,22 @@ def test_our_kernel_is_offered_only_where_it_builds(llama_tiny, monkeypatch, tmp
         assert not list((tmp_path / "kernels").glob("*.so"))
     finally:
         lookahead.kernels.library.cache_clear()
+
+
+@pytest.mark.slow  # compiling takes seconds per step shape
+def test_each_model_compiles_its_own_graphs_and_a_changed_model_compiles_again(llama_tiny):
+    """Compiled steps keep no guards on the model's modules, so each model gets graphs of its own: a model of the
+    same class with another MLP width and one with the same widths but other weights, decoded between two runs of
+    the first, each decode as their own `generate`; a model whose weights changed dtype since gets a new function."""
+    config = copy.deepcopy(llama_tiny.config)
+    config.intermediate_size = 96
+    narrower = type(llama_tiny)(config)
+    twin = make_tiny_model("llama", seed=1)
+    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(8))
+    for model in (llama_tiny, narrower, twin, llama_tiny):
+        out = generate(model, prompt, max_new_tokens=10, config=PLAIN_CONFIG, compile=True)
+        assert torch.equal(out.sequences, reference_greedy(model, prompt, 10))
+    first = lookahead.hf._compiled_forward(twin, "default")
+    assert lookahead.hf._compiled_forward(twin, "default") is first
+    assert lookahead.hf._compiled_forward(llama_tiny, "default") is not first
+    assert lookahead.hf._compiled_forward(twin.to(torch.bfloat16), "default") is not first
