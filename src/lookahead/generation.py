@@ -73,9 +73,10 @@ def generate(
     our float32 kernel runs (`lookahead.kernels`), the compiled graphs call it on one packed copy of the linear
     weights (a graph compiles in 30-60 s on 2 cores the first time, ~10 s from inductor's disk cache in later
     processes); elsewhere they freeze the weights, which inductor packs itself (a copy per graph, two graphs;
-    35-70 s per graph in every process, frozen graphs are not reused from the disk cache). Off by default: on
-    our 2-core EPYC a compiled one-row float32 step ran only a few % faster than eager (docs/benchmarks.md,
-    session 28).
+    35-70 s per graph in every process, frozen graphs are not reused from the disk cache). Off by default: the
+    compilation costs more than a call of a few hundred tokens saves, though compiled steps are faster once
+    compiled (our 2-core EPYC, session 29: plain decoding 1.17x eager in float32, 1.6x with int4 weights;
+    lookahead 1.17x and 1.41x; docs/benchmarks.md).
     compile="cpp-wrapper": the same with the code that calls the compiled kernels in C++ rather than Python
     (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """
