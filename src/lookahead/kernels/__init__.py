@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock
-from torch.utils.cpp_extension import include_paths, library_paths
 
 from ..models import cache_root
 
@@ -68,7 +67,8 @@ def library() -> Path | None:
 
 def _build(cc: str, cxx: str, built: Path) -> bool:
     """Compile the C kernels and link them with their operators (`ops.cpp`) into `built`; False where a step fails."""
-    torch_lib = library_paths()[0]
+    torch_dir = Path(torch.__file__).parent  # its headers and libraries, as torch.utils.cpp_extension finds them
+    torch_lib = torch_dir / "lib"
     partial = built.with_name(f"{built.name}.{os.getpid()}.partial")
     with tempfile.TemporaryDirectory() as work:
         kernels = [source for source in SOURCES if source.suffix == ".c"]
@@ -77,7 +77,7 @@ def _build(cc: str, cxx: str, built: Path) -> bool:
                     for source, obj in zip(kernels, objects)]
         commands.append([cxx, "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
                          f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                         *(f"-I{path}" for path in include_paths()), str(Path(__file__).parent / "ops.cpp"),
+                         f"-I{torch_dir / 'include'}", str(Path(__file__).parent / "ops.cpp"),
                          *objects, f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu",
                          "-o", str(partial)])
         if any(subprocess.run(command, capture_output=True).returncode != 0 for command in commands):
