@@ -319,6 +319,14 @@ def is_sharded(model: torch.nn.Module) -> bool:
 _PACKED: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, PackedLinears]] = weakref.WeakKeyDictionary()
 
 
+def _packs(model: torch.nn.Module, packer: str) -> PackedLinears:
+    """The model's packed linears of `packer`, made at first use and kept while the model lives."""
+    packs = _PACKED.setdefault(model, {})
+    if packer not in packs:
+        packs[packer] = PackedLinears(model, packer)
+    return packs[packer]
+
+
 def check_model(model: PreTrainedModel) -> None:
     """Raise UnsupportedModelError, saying why, for a model lookahead cannot drive."""
     if not isinstance(model, PreTrainedModel) or not hasattr(model, "get_output_embeddings"):
@@ -483,10 +491,7 @@ class HFModelRunner:
         """Run steps of `packed_from` rows or more through `packer`'s linears (None: never packed)."""
         if packer is not None and packer not in self.packers:
             raise ValueError(f"packer must be one of {self.packers}, got {packer!r}")
-        packs = _PACKED.setdefault(self.model, {})
-        if packer is not None and packer not in packs:
-            packs[packer] = PackedLinears(self.model, packer)
-        self._packed = None if packer is None else packs[packer]
+        self._packed = None if packer is None else _packs(self.model, packer)
         self.packed_from = None if packer is None else packed_from
 
     def drop_other_packs(self) -> None:
@@ -503,11 +508,9 @@ class HFModelRunner:
         """The linears of compiled steps: ours, traced as an op of the graph, or frozen and packed by inductor."""
         if not self.compiled_kernel:
             return _freezing() if self.freezes else nullcontext()
-        packer, packs = self._compiled_packer, _PACKED.setdefault(self.model, {})
-        if packer not in packs:
-            packs[packer] = PackedLinears(self.model, packer)
-        packs[packer].find_groups(self.model)
-        return packs[packer].active()
+        packs = _packs(self.model, self._compiled_packer)
+        packs.find_groups(self.model)
+        return packs.active()
 
     @property
     def packer(self) -> str | None:

@@ -31,7 +31,9 @@ from filelock import FileLock
 
 from ..models import cache_root
 
-SOURCES = sorted(Path(__file__).parent.glob("*.c")) + [Path(__file__).parent / "ops.cpp"]
+KERNEL_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+OPERATORS_SOURCE = Path(__file__).parent / "ops.cpp"
+SOURCES = [*KERNEL_SOURCES, OPERATORS_SOURCE]
 PANEL = 16  # output features per panel of a packed weight
 
 
@@ -71,13 +73,12 @@ def _build(cc: str, cxx: str, built: Path) -> bool:
     torch_lib = torch_dir / "lib"
     partial = built.with_name(f"{built.name}.{os.getpid()}.partial")
     with tempfile.TemporaryDirectory() as work:
-        kernels = [source for source in SOURCES if source.suffix == ".c"]
-        objects = [str(Path(work) / f"{source.stem}.o") for source in kernels]
+        objects = [str(Path(work) / f"{source.stem}.o") for source in KERNEL_SOURCES]
         commands = [[cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-c", str(source), "-o", obj]
-                    for source, obj in zip(kernels, objects)]
+                    for source, obj in zip(KERNEL_SOURCES, objects)]
         commands.append([cxx, "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
                          f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                         f"-I{torch_dir / 'include'}", str(Path(__file__).parent / "ops.cpp"),
+                         f"-I{torch_dir / 'include'}", str(OPERATORS_SOURCE),
                          *objects, f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu",
                          "-o", str(partial)])
         if any(subprocess.run(command, capture_output=True).returncode != 0 for command in commands):
