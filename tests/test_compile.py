@@ -86,7 +86,7 @@ def test_compiled_steps_give_greedy_generate_output():
 
 
 def test_a_compiler_failure_warns_and_runs_eagerly(llama_tiny, monkeypatch):
-    def failing(model, mode):
+    def failing(model, mode, how):
         def forward(model, **kwargs):
             raise RuntimeError("no compiler here")
         return forward
@@ -524,6 +524,17 @@ def test_after_warming_up_an_engine_compiles_nothing_more_as_sequences_join_and_
         assert outputs[request_id] == reference_greedy(model, prompt.view(1, -1), count)[0, prompt.numel():].tolist()
 
 
+@pytest.mark.skipif(lookahead.kernels.library() is None, reason="our kernel does not build or run here")
+def test_runners_that_run_a_models_linears_differently_do_not_share_compiled_graphs(llama_tiny):
+    """Compiled graphs keep no guards on the model's modules, so a graph traced through our kernels would run
+    for a runner asked to use the model's own linears (`packed_linear=False`) if they shared one."""
+    ours = HFModelRunner(llama_tiny, compile=True)
+    own = HFModelRunner(llama_tiny, compile=True, packed_linear=False)
+    assert ours.compiled_kernel and not own.compiled_kernel
+    assert ours._compiled is not own._compiled
+    assert HFModelRunner(llama_tiny, compile=True)._compiled is ours._compiled
+
+
 def test_our_kernel_is_offered_only_where_it_builds(llama_tiny, monkeypatch, tmp_path):
     """A compiler that fails (or none): no kernel, and no packer of ours; nothing is left behind as built."""
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
@@ -550,7 +561,8 @@ def test_each_model_compiles_its_own_graphs_and_a_changed_model_compiles_again(l
     for model in (llama_tiny, narrower, twin, llama_tiny):
         out = generate(model, prompt, max_new_tokens=10, config=PLAIN_CONFIG, compile=True)
         assert torch.equal(out.sequences, reference_greedy(model, prompt, 10))
-    first = lookahead.hf._compiled_forward(twin, "default")
-    assert lookahead.hf._compiled_forward(twin, "default") is first
-    assert lookahead.hf._compiled_forward(llama_tiny, "default") is not first
-    assert lookahead.hf._compiled_forward(twin.to(torch.bfloat16), "default") is not first
+    first = lookahead.hf._compiled_forward(twin, "default", "as-is")
+    assert lookahead.hf._compiled_forward(twin, "default", "as-is") is first
+    assert lookahead.hf._compiled_forward(twin, "default", "frozen") is not first
+    assert lookahead.hf._compiled_forward(llama_tiny, "default", "as-is") is not first
+    assert lookahead.hf._compiled_forward(twin.to(torch.bfloat16), "default", "as-is") is not first

@@ -361,12 +361,15 @@ def compile_mode(compile: bool | str) -> str | None:
     return compile
 
 
-_COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, dict[str, tuple[tuple, Callable]]] = weakref.WeakKeyDictionary()
+_COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[str, str], tuple[tuple, Callable]]] = (
+    weakref.WeakKeyDictionary())
 
 
-def _compiled_forward(model: PreTrainedModel, mode: str) -> Callable:
-    """The model's forward compiled on first use, one per model and mode, kept while the model keeps its shape
-    (`_signature`); the step's sizes are marked dynamic at each call (`HFModelRunner._call`, `KVStore`). "cpp-wrapper": inductor
+def _compiled_forward(model: PreTrainedModel, mode: str, how: str) -> Callable:
+    """The model's forward compiled on first use, one per model, mode and way of running its linears (`how`:
+    our kernels from the graph, frozen weights, or the model's own; the guards dropped below would not tell
+    these graphs apart), kept while the model keeps its shape (`_signature`); the step's sizes are marked
+    dynamic at each call (`HFModelRunner._call`, `KVStore`). "cpp-wrapper": inductor
     writes the code that calls its kernels in C++ instead of Python, which saves 3-7% of an int4 step on our
     2-core CPU but compiles up to 9x longer (cached on disk by inductor).
 
@@ -384,13 +387,13 @@ def _compiled_forward(model: PreTrainedModel, mode: str) -> Callable:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     signature = _signature(model)
     compiled = _COMPILED.setdefault(model, {})
-    if mode not in compiled or compiled[mode][0] != signature:
+    if (mode, how) not in compiled or compiled[mode, how][0] != signature:
         # Without size asserts: the generated code would check every kernel's output shape in Python, about
         # 1,000 checks a step.
         options = {"size_asserts": False, "cpp_wrapper": mode == "cpp-wrapper",
                    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        compiled[mode] = signature, torch.compile(_forward_of_its_own(), options=options)
-    return compiled[mode][1]
+        compiled[mode, how] = signature, torch.compile(_forward_of_its_own(), options=options)
+    return compiled[mode, how][1]
 
 
 def _signature(model: PreTrainedModel) -> tuple:
@@ -464,7 +467,6 @@ class HFModelRunner:
                              "(oneDNN) with those libraries available, and free memory for a "
                              "packed copy of its linear weights")
         self.packing: bool | None = packed_linear if packed_linear is not None else (None if self.packers else False)
-        self._compiled = _compiled_forward(model, self.compile_mode) if self.compile else None
         # Where our kernels run, compiled steps call them from the graph (`torch.ops.lookahead`, `kernels`): the
         # float32 one on one packed copy of the weights, the 4-bit one on the layers' own (stacked where they share
         # an input); float32 steps of the default model 1-7% faster than eager (2-core EPYC, session 28), where
@@ -478,6 +480,8 @@ class HFModelRunner:
         # fixed, and dynamo fixes a size of 1: a one-row step of one sequence would get MKL's packs, 32-37 ms
         # a step on the EPYC above against 18-21 ms padded to two rows. So frozen steps start at two rows.
         self.compiled_heights = COMPILED_HEIGHTS[1:] if self.freezes else COMPILED_HEIGHTS
+        how = f"kernels-{self._compiled_packer}" if self.compiled_kernel else "frozen" if self.freezes else "as-is"
+        self._compiled = _compiled_forward(model, self.compile_mode, how) if self.compile else None
         self._eager_heights: set[int] = set()  # heights whose compilation failed
         self.compile_seconds: dict[int, float] = {}  # step height -> seconds of its first (compiling) call
         self._packed: PackedLinears | None = None
