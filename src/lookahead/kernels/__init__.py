@@ -24,6 +24,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -39,8 +41,17 @@ PANEL = 16  # output features per panel of a packed weight
 
 @functools.cache
 def library() -> Path | None:
-    """The built kernels, loaded into torch; None where they cannot run here (no AVX-512, no compilers, or the
-    build failed)."""
+    """The built kernels, loaded into torch; None where they cannot run here (no AVX-512, no compilers, no
+    writable cache folder, or the build failed: then with a warning that shows the compiler's error)."""
+    with _LOADING:  # threads meeting it first at once: one builds, loads and registers
+        return _built_and_loaded()
+
+
+_LOADING = threading.Lock()
+BUILD_TIMEOUT = 300  # seconds a compiler step may take; a slower one counts as failed
+
+
+def _built_and_loaded() -> Path | None:
     cpu = Path("/proc/cpuinfo")
     if platform.machine() not in ("x86_64", "AMD64") or not cpu.is_file():
         return None
@@ -48,16 +59,22 @@ def library() -> Path | None:
     compilers = [shutil.which(os.environ.get(name, default)) for name, default in (("CC", "cc"), ("CXX", "c++"))]
     if "avx512f" not in flags.split() or None in compilers:
         return None
-    # Built for this CPU (-march=native) and this torch: the CPU's flags, the compilers, torch's version and
-    # the sources name the build.
+    # Built for this CPU (-march=native) and this torch: the CPU's flags, the compilers and the commands that
+    # build with them, torch's version and the sources name the build.
     versions = [subprocess.run([c, "--version"], capture_output=True, text=True).stdout for c in compilers]
+    commands = _commands(*compilers, Path("WORK"), Path("OUT"))
     key = hashlib.blake2b("\n".join([*(source.read_text() for source in SOURCES), flags, *versions,
-                                     torch.__version__]).encode(), digest_size=12).hexdigest()
+                                     *map(" ".join, commands), torch.__version__]).encode(), digest_size=12).hexdigest()
     built = cache_root() / "kernels" / f"kernels-{key}.so"
-    built.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(built.with_name(f".{built.name}.lock")):
-        if not built.is_file() and not _build(*compilers, built):
-            return None
+    try:
+        built.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(built.with_name(f".{built.name}.lock")):
+            if not built.is_file() and not _build(*compilers, built):
+                return None
+    except OSError as error:  # a cache folder we cannot write: run without our kernels
+        warnings.warn(f"lookahead's kernels not built, {built.parent} is not writable ({error}); steps run on "
+                      "torch's linears (set LOOKAHEAD_CACHE to a writable folder)", RuntimeWarning, stacklevel=3)
+        return None
     if not hasattr(torch.ops.lookahead, "linear_f32"):  # a process loads the operators once
         try:
             torch.ops.load_library(str(built))
@@ -67,23 +84,40 @@ def library() -> Path | None:
     return built
 
 
-def _build(cc: str, cxx: str, built: Path) -> bool:
-    """Compile the C kernels and link them with their operators (`ops.cpp`) into `built`; False where a step fails."""
-    torch_dir = Path(torch.__file__).parent  # its headers and libraries, as torch.utils.cpp_extension finds them
+def _commands(cc: str, cxx: str, work: Path, output: Path) -> list[list[str]]:
+    """The compiler calls that build `output` in the folder `work`: each C kernel to an object, then the
+    operators (`ops.cpp`) linked with them against torch's headers and libraries (found beside torch itself, as
+    torch.utils.cpp_extension finds them)."""
+    torch_dir = Path(torch.__file__).parent
     torch_lib = torch_dir / "lib"
+    objects = [str(work / f"{source.stem}.o") for source in KERNEL_SOURCES]
+    commands = [[cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-c", str(source), "-o", obj]
+                for source, obj in zip(KERNEL_SOURCES, objects)]
+    commands.append([cxx, "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
+                     f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                     f"-I{torch_dir / 'include'}", str(OPERATORS_SOURCE),
+                     *objects, f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu",
+                     "-o", str(output)])
+    return commands
+
+
+def _build(cc: str, cxx: str, built: Path) -> bool:
+    """Build `built` (`_commands`); False, with a warning that quotes the compiler, where a step fails. A
+    process that dies mid-build leaves only its own `.partial` file, which no other process reads."""
     partial = built.with_name(f"{built.name}.{os.getpid()}.partial")
     with tempfile.TemporaryDirectory() as work:
-        objects = [str(Path(work) / f"{source.stem}.o") for source in KERNEL_SOURCES]
-        commands = [[cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-c", str(source), "-o", obj]
-                    for source, obj in zip(KERNEL_SOURCES, objects)]
-        commands.append([cxx, "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
-                         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                         f"-I{torch_dir / 'include'}", str(OPERATORS_SOURCE),
-                         *objects, f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu",
-                         "-o", str(partial)])
-        if any(subprocess.run(command, capture_output=True).returncode != 0 for command in commands):
-            partial.unlink(missing_ok=True)
-            return False
+        for command in _commands(cc, cxx, Path(work), partial):
+            try:
+                run = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+                failure = run.stderr.strip().splitlines()[-3:] if run.returncode else None
+            except subprocess.TimeoutExpired:
+                failure = [f"no result after {BUILD_TIMEOUT} s"]
+            if failure is not None:
+                partial.unlink(missing_ok=True)
+                warnings.warn(f"lookahead's kernels did not build ({Path(command[0]).name} failed: "
+                              f"{' / '.join(failure) or 'no message'}); steps run on torch's linears",
+                              RuntimeWarning, stacklevel=4)
+                return False
     os.replace(partial, built)
     return True
 

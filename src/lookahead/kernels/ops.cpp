@@ -38,8 +38,9 @@ at::Tensor linear_f32_cpu(const at::Tensor &x, const at::Tensor &packed, const s
                           int64_t features) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat && packed.is_contiguous(),
               "linear_f32 takes a float32 input and a contiguous float32 packed weight");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(-1) && packed.size(0) * kPanel >= features,
-              "packed weight [", packed.sizes(), "] does not fit an input of ", x.size(-1), " and ", features,
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(-1) && packed.size(2) == kPanel &&
+                  packed.size(0) * kPanel >= features && features > 0,
+              "packed weight ", packed.sizes(), " does not fit an input of ", x.size(-1), " and ", features,
               " features");
   auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   auto out = at::empty({rows.size(0), features}, x.options());
@@ -52,10 +53,16 @@ at::Tensor linear_f32_cpu(const at::Tensor &x, const at::Tensor &packed, const s
 // x [..., k] of any floating type (taken as float32), codes and scales: `pack_q4`'s layout; float32 out.
 at::Tensor linear_q4_cpu(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scales,
                          const std::optional<at::Tensor> &bias) {
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 2 * kPanel && codes.size(1) % 8 == 0,
+              "linear_q4 takes pack_q4's codes, [n / 16, k / 4, 32] for k a multiple of 32, not ", codes.sizes());
   int64_t features = codes.size(0) * kPanel, inputs = codes.size(1) * 4;
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
                   scales.is_contiguous() && x.size(-1) == inputs,
               "linear_q4 takes pack_q4's contiguous codes (uint8) and scales (bfloat16) for an input of ", inputs);
+  TORCH_CHECK(scales.dim() == 4 && scales.size(0) == codes.size(0) && scales.size(1) == inputs / 32 &&
+                  scales.size(2) == 2 && scales.size(3) == kPanel,
+              "linear_q4 takes pack_q4's scales, [", codes.size(0), ", ", inputs / 32, ", 2, 16] for these codes, not ",
+              scales.sizes());
   auto rows = x.reshape({-1, inputs}).to(at::kFloat).contiguous();
   auto out = at::empty({rows.size(0), features}, rows.options());
   linear_q4(rows.data_ptr<float>(), codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t *>(scales.data_ptr()),
