@@ -81,7 +81,7 @@ def test_compiled_steps_give_greedy_generate_output():
     for request_id, (prompt, config) in ids.items():
         expected = reference_greedy(model, prompt.view(1, -1), 24)[0, prompt.numel():].tolist()
         assert outputs[request_id] == expected, config
-    assert engine.runner.compile_seconds and set(engine.runner.compile_seconds) <= set(COMPILED_HEIGHTS)
+    assert engine.runner.compile_seconds and {h for h, _ in engine.runner.compile_seconds} <= set(COMPILED_HEIGHTS)
     assert engine.stats.compile_seconds == pytest.approx(sum(engine.runner.compile_seconds.values()))
 
 
@@ -93,7 +93,7 @@ def test_a_compiler_failure_warns_and_runs_eagerly(llama_tiny, monkeypatch):
 
     monkeypatch.setattr(lookahead.hf, "_compiled_forward", failing)
     prompt = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(3))
-    with pytest.warns(RuntimeWarning, match=r"torch.compile failed for steps of \d+ rows; they run eagerly: "
+    with pytest.warns(RuntimeWarning, match=r"torch.compile failed for steps of \d+ rows of one sequence; they run eagerly: "
                                             "RuntimeError: no compiler here"):
         out = generate(llama_tiny, prompt, max_new_tokens=12, config=LookaheadConfig(window=0, guesses=0),
                        compile=True)
@@ -116,6 +116,36 @@ def _linear_ops_of_a_compiled_step(runner: HFModelRunner, prompt: torch.Tensor, 
     return [event.name for event in profiled.events() if event.name in linear_ops]
 
 
+def test_a_step_shape_that_fails_to_compile_later_in_a_run_runs_eagerly(llama_tiny, monkeypatch):
+    """Steps of one sequence compiled, the first step of several at the same height fails to compile (dynamo
+    compiles one sequence apart): it warns and runs eagerly, as a failure on the first step of all does, and
+    every output is transformers' greedy output."""
+    def one_sequence_only(model, mode, how):
+        def forward(model, **kwargs):
+            if kwargs["input_ids"].shape[0] > 1:
+                raise RuntimeError("no compiler for several")
+            return model(**kwargs)
+        return forward
+
+    monkeypatch.setattr(lookahead.hf, "_compiled_forward", one_sequence_only)
+    engine = Engine(llama_tiny, max_batch=2, max_length=64, compile=True)
+    prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 6)]
+    first = engine.add_request(prompts[0], RequestParams(12, PLAIN_CONFIG))
+    outputs = {first: []}
+    for _ in range(4):
+        for output in engine.step():
+            outputs[output.request_id].extend(output.tokens)
+    assert (1, False) in engine.runner.compile_seconds
+    second = engine.add_request(prompts[1], RequestParams(12, PLAIN_CONFIG))
+    outputs[second] = []
+    with pytest.warns(RuntimeWarning, match=r"compile failed for steps of \d+ rows of several sequences; they run eagerly"):
+        while engine.has_unfinished():
+            for output in engine.step():
+                outputs[output.request_id].extend(output.tokens)
+    for request_id, prompt in zip((first, second), prompts):
+        assert outputs[request_id] == reference_greedy(llama_tiny, prompt.view(1, -1), 12)[0, prompt.numel():].tolist()
+
+
 @pytest.mark.slow  # compiling takes seconds per step shape
 @pytest.mark.skipif(lookahead.kernels.library() is None, reason="our kernel does not build or run here")
 def test_compiled_steps_on_a_cpu_call_our_kernel_from_the_graph(llama_tiny):
@@ -131,7 +161,7 @@ def test_compiled_steps_on_a_cpu_call_our_kernel_from_the_graph(llama_tiny):
     for rows in (1, 3):
         # Per layer: q/k/v stacked, o, gate/up stacked, down; then the output layer.
         assert _linear_ops_of_a_compiled_step(runner, prompt, rows) == ["lookahead::linear_f32"] * (4 * layers + 1)
-    assert set(runner.compile_seconds) == {1, 4}
+    assert set(runner.compile_seconds) == {(1, False), (4, False)}
 
 
 @pytest.mark.slow  # compiling takes seconds per step shape
@@ -163,7 +193,7 @@ def test_compiled_steps_on_a_cpu_run_the_frozen_weights_packed_by_inductor(llama
     assert torch.equal(out.sequences, reference_greedy(llama_tiny, prompt, 16))
     linears = sum(type(m) is torch.nn.Linear for m in llama_tiny.modules())
     assert _linear_ops_of_a_compiled_step(runner, prompt, 1) == ["mkldnn::_linear_pointwise"] * linears
-    assert set(runner.compile_seconds) == {2}
+    assert set(runner.compile_seconds) == {(2, False)}
 
 
 @pytest.mark.slow  # the C++ wrapper compiles for seconds more per step shape
@@ -476,7 +506,7 @@ def test_the_compiled_curve_is_timed_through_the_compiled_forward(llama_tiny, mo
     measured = costs._step_seconds(runner, (1, 2, 4), 2)
     assert measured["sizes"] == [1, 2, 4] and all(t > 0 for t in measured["seconds"]) and measured["one_row"] > 0
     # (Frozen steps pad one row to two.)
-    assert sorted(runner.compile_seconds) == [h for h in (1, 2, 4) if h in runner.compiled_heights]
+    assert sorted(runner.compile_seconds) == [(h, True) for h in (1, 2, 4) if h in runner.compiled_heights]
     assert runner._compiled is not None
 
 
@@ -536,14 +566,29 @@ def test_runners_that_run_a_models_linears_differently_do_not_share_compiled_gra
 
 
 def test_our_kernel_is_offered_only_where_it_builds(llama_tiny, monkeypatch, tmp_path):
-    """A compiler that fails (or none): no kernel, and no packer of ours; nothing is left behind as built."""
+    """A compiler that fails (or none): a warning that says so, no kernel, and no packer of ours; nothing is
+    left behind as built."""
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # found on the PATH, fails every build
     lookahead.kernels.library.cache_clear()
     try:
-        assert lookahead.kernels.library() is None
+        with pytest.warns(RuntimeWarning, match=r"kernels did not build \(false failed: .*\); steps run on torch"):
+            assert lookahead.kernels.library() is None
         assert "native" not in lookahead.hf.PackedLinears.packers(llama_tiny)
-        assert not list((tmp_path / "kernels").glob("*.so"))
+        assert not [path.name for path in (tmp_path / "kernels").iterdir() if not path.name.startswith(".")]
+    finally:
+        lookahead.kernels.library.cache_clear()
+
+
+def test_a_cache_folder_that_cannot_be_written_means_no_kernel_and_a_warning(llama_tiny, monkeypatch, tmp_path):
+    """Where the kernels cannot be built or kept, decoding runs without them rather than failing."""
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path / "not-a-folder"))
+    lookahead.kernels.library.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="kernels not built, .* is not writable"):
+            assert lookahead.kernels.library() is None
+        assert "native" not in lookahead.hf.PackedLinears.packers(llama_tiny)
     finally:
         lookahead.kernels.library.cache_clear()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from lookahead.core.layout import build_guess_tree, step_layout
 from lookahead import hf as hf_module
 from lookahead import kernels
 from lookahead.costs import cost_curve
+from lookahead import attention
 from lookahead.attention import RaggedLayout
 from lookahead.hf import ArgmaxOutputLayer, HFModelRunner, PackedLinears
 from lookahead.runtime.batch import StepInput, causal_step, pack_steps
@@ -402,7 +404,7 @@ def test_a_packed_forward_computes_the_linear_layer(packer):
 @needs_native
 def test_our_kernel_is_a_torch_operator_that_refuses_what_it_cannot_compute():
     """`torch.ops.lookahead.linear_f32` (registered from C++) is the linear layer, and names the problem with a
-    float64 input, a weight packed for another input size, or a bias of the wrong length."""
+    float64 input, a weight packed for another input size or not in panels of 16, or a bias of the wrong length."""
     weight, bias, x = torch.randn(40, 24), torch.randn(40), torch.randn(2, 3, 24)
     packed = kernels.pack(weight)
     torch.testing.assert_close(torch.ops.lookahead.linear_f32(x, packed, bias, 40),
@@ -411,6 +413,8 @@ def test_our_kernel_is_a_torch_operator_that_refuses_what_it_cannot_compute():
         kernels.linear(x.double(), packed, bias, 40)
     with pytest.raises(RuntimeError, match="does not fit an input of 23"):
         kernels.linear(x[..., :23], packed, bias, 40)
+    with pytest.raises(RuntimeError, match=r"packed weight \[6, 24, 8\] does not fit"):
+        kernels.linear(x, packed.view(3, 24, 2, 8).transpose(1, 2).reshape(6, 24, 8).contiguous(), bias, 40)
     with pytest.raises(RuntimeError, match="bias must be a contiguous float32 tensor of 40 features"):
         kernels.linear(x, packed, bias[:39], 40)
 
@@ -457,6 +461,69 @@ def test_linears_called_on_one_input_run_as_one_stacked_linear(packer):
     with mkl.active():
         module(x)
     assert mkl.groups == []
+
+
+@pytest.mark.parametrize("packer", PACKERS)
+def test_another_threads_forward_runs_the_models_own_linears_while_ours_are_active(packer):
+    """While a forward of ours has our packs active, transformers' own forward of the same model in another
+    thread (its `generate` beside a server's engine) runs the model's own linears; and a second forward of
+    ours, from another thread, waits for the first to finish."""
+    module = _SharedInput()
+    packed = PackedLinears(module, packer)
+    x = torch.randn(2, 3, 48)
+    with packed.active():
+        module(x)  # the linears that share an input found (oneDNN's packs and ours)
+    calls: list[torch.nn.Module] = []
+    packed._forwards = [(m, lambda x, m=m, f=f: calls.append(m) or f(x)) for m, f in packed._forwards]
+    packed._guarded = None
+    own = module(x)
+    theirs: list[list[torch.Tensor]] = []
+    entered, leave = threading.Event(), threading.Event()
+
+    def ours_too() -> None:
+        with packed.active():
+            entered.set()
+
+    with packed.active():
+        module(x)
+        assert calls  # ours, in the thread that made them active
+        calls.clear()
+        thread = threading.Thread(target=lambda: theirs.append(module(x)))
+        thread.start()
+        thread.join()
+        second = threading.Thread(target=ours_too)
+        second.start()
+        assert not entered.wait(0.3)  # held up while ours are active
+    assert entered.wait(10)
+    second.join()
+    assert calls == []  # the other thread's forward ran none of ours
+    for got, want in zip(theirs[0], own):
+        assert torch.equal(got, want)
+    assert all("forward" not in vars(m) for m, _ in packed._forwards)
+
+
+def test_decoding_follows_weights_changed_in_place_since_the_last_call():
+    """Our packed copies of the weights are made again when the weights change in place (a training step,
+    `load_state_dict`): the next `generate` decodes with the new weights, as transformers' own does."""
+    model = make_tiny_model("llama", seed=3)
+    prompt = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(4))
+    before = generate(model, prompt, max_new_tokens=10, packed_linear=True).sequences
+    model.load_state_dict(make_tiny_model("llama", seed=4).state_dict())
+    after = generate(model, prompt, max_new_tokens=10, packed_linear=True).sequences
+    assert torch.equal(after, reference_greedy(model, prompt, 10))
+    assert not torch.equal(after, before)
+
+
+def test_a_runner_can_be_made_while_a_forward_of_ours_runs_in_another_thread(llama_tiny):
+    """During a forward of ours the model's attention is ours by name (`attention.stacked_heads`): a runner
+    made meanwhile (another thread's `generate`) takes it for the SDPA it stands for."""
+    config = llama_tiny.config
+    assert config._attn_implementation == "sdpa"
+    try:
+        config._attn_implementation = attention.NAME
+        HFModelRunner(llama_tiny)
+    finally:
+        config._attn_implementation = "sdpa"
 
 
 def _argmax_layer(weight: torch.Tensor) -> tuple[ArgmaxOutputLayer, list[int]]:

@@ -15,12 +15,13 @@ from torch import nn
 
 from lookahead import generate, kernels
 from lookahead.bench.runner import TieMeter
+from lookahead import hf
 from lookahead.hf import PackedLinears
 from lookahead.prompts import encode_prompt
 from lookahead.quant import GROUP_SIZE, Int4Linear, Int8Linear, quantise_weights, rounding_dtype, weights_of
 from lookahead.workloads import load_workload
 
-from conftest import reference_greedy, run_cli
+from conftest import make_tiny_model, reference_greedy, run_cli
 
 
 def _linear(weight: torch.Tensor, bias: bool = False) -> nn.Linear:
@@ -71,10 +72,31 @@ def test_int4_layer_computes_with_its_groups_scale_and_minimum(ours, seed, rows,
 
 @OURS_RUN
 def test_our_4_bit_operator_refuses_an_input_of_another_size():
-    """`torch.ops.lookahead.linear_q4` (registered from C++) names the input size its packed weight takes."""
+    """`torch.ops.lookahead.linear_q4` (registered from C++) names the input size its packed weight takes, and the
+    layout its codes and scales must have."""
     layer = Int4Linear(_linear(torch.randn(32, 2 * GROUP_SIZE), bias=False), ours=True)
     with pytest.raises(RuntimeError, match=f"for an input of {2 * GROUP_SIZE}"):
         kernels.linear_q4(torch.randn(1, GROUP_SIZE), layer.codes, layer.scales_and_zeros, None)
+    with pytest.raises(RuntimeError, match=r"pack_q4's codes, \[n / 16, k / 4, 32\] .* not \[2, 32, 16\]"):
+        kernels.linear_q4(torch.randn(1, 2 * GROUP_SIZE), layer.codes.view(2, 32, 16), layer.scales_and_zeros, None)
+    with pytest.raises(RuntimeError, match=r"pack_q4's scales, \[2, 2, 2, 16\] for these codes, not \[2, 2, 32\]"):
+        kernels.linear_q4(torch.randn(1, 2 * GROUP_SIZE), layer.codes, layer.scales_and_zeros.view(2, 2, 32), None)
+
+
+@OURS_RUN
+def test_stacked_4_bit_layers_give_each_layers_own_output_in_the_models_dtype():
+    """A bfloat16 model with int4 layers: run stacked where they share an input (`PackedLinears`, "q4"), its
+    logits are its own, bfloat16 as they are."""
+    model = quantise_weights(make_tiny_model("llama", seed=2).to(torch.bfloat16), "int4")
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        own = model(input_ids=ids).logits
+        packs = hf._packs(model, "q4")
+        for _ in range(2):  # (a first forward may find the layers to stack)
+            with packs.active():
+                stacked = model(input_ids=ids).logits
+    assert packs.groups and stacked.dtype == torch.bfloat16
+    assert torch.equal(stacked, own)
 
 
 def test_int8_layer_computes_with_a_scale_per_output_channel():

@@ -64,7 +64,7 @@ class GenerationStats:
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted guess tokens per draft source
     window: int = 0  # columns of the lookahead window the step fed (the budget's choice under `budget`)
     undrafted_steps: int = 0  # steps the automatic budget ran without drafts, where they did not pay
-    compile_seconds: float = 0.0  # compile=True: the first calls of each step height, which compiled it
+    compile_seconds: float = 0.0  # compile=True: the first call of each step shape, which compiled it
     # Where the time went: prefill; per step, plan (drafts, budget, layout, packing), inputs (mask, moving
     # inputs), forward (the model), verify (verification, window and pool update), commit (KV store);
     # other: the rest (the loop itself, streamer).

@@ -7,6 +7,7 @@ import functools
 import inspect
 import itertools
 import os
+import threading
 import time
 import timeit
 import warnings
@@ -19,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from . import kernels
+from .attention import NAME as ATTENTION_NAME
 from .attention import RaggedLayout, ragged_rows, routes, stacked_heads
 from .quant import Int4Linear
 from .runtime.batch import StepBatch, causal_step, pack_steps, pad_batch
@@ -87,6 +89,9 @@ class PackedLinears:
         self._finds_groups = packer in ("onednn", "native", "q4")
         self.argmax_output = (ArgmaxOutputLayer.of(model, dict(self._forwards)) if packer in ("onednn", "native")
                               else None)
+        self._lock = _lock_of(model)  # held by the forward the packs are active in (`active`)
+        self._holder: int | None = None  # that forward's thread
+        self._guarded: list[tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]] | None = None
 
     @staticmethod
     def packers(model: torch.nn.Module) -> tuple[str, ...]:
@@ -107,24 +112,51 @@ class PackedLinears:
         return ("mkl",) * mkl + ("onednn",) * onednn + ("native",) * native + ("q4",) * q4
 
     @contextmanager
-    def active(self, argmax_only: bool = False) -> Iterator[None]:
-        """The packed linears in place of the model's, for an eager forward. argmax_only: the logits are read
-        for their argmax alone (greedy rows), which `argmax_output` computes faster where there is one."""
-        inputs: list[tuple[torch.nn.Linear, torch.Tensor]] | None = [] if self._finds_groups else None
-        # Set in the instances' dicts: `nn.Module.__setattr__` and `__delattr__` took 0.28 ms a step.
-        for module, forward in self._forwards:
-            module.__dict__["forward"] = forward if inputs is None else _recording(module, forward, inputs)
-        if argmax_only and self.argmax_output is not None:
-            self.argmax_output.module.__dict__["forward"] = self.argmax_output
-        try:
-            yield
-        finally:
-            for module, _ in self._forwards:
-                del module.__dict__["forward"]
-            for group in self.groups:
-                group.clear()
-        if inputs:
-            self._group(inputs)
+    def active(self, argmax_only: bool = False, traced: bool = False) -> Iterator[None]:
+        """The packed linears in place of the model's, for a forward of ours. argmax_only: the logits are read
+        for their argmax alone (greedy rows), which `argmax_output` computes faster where there is one.
+
+        Our forwards of one model take turns (a lock per model). Meanwhile the forwards of other threads
+        (transformers' `generate` of the same model beside a server's engine) run the model's own linears,
+        except beside a forward that the compiler traces (`traced`), whose linears must be ours alone."""
+        with self._lock:
+            holder, self._holder = self._holder, threading.get_ident()
+            inputs: list[tuple[torch.nn.Linear, torch.Tensor]] | None = [] if self._finds_groups else None
+            if inputs is not None:
+                forwards = [(module, _recording(module, forward, inputs)) for module, forward in self._forwards]
+            else:
+                forwards = self._forwards if traced else self._in_holders_thread()
+            # Set in the instances' dicts: `nn.Module.__setattr__` and `__delattr__` took 0.28 ms a step.
+            for module, forward in forwards:
+                module.__dict__["forward"] = forward
+            if argmax_only and self.argmax_output is not None:
+                output = self.argmax_output
+                output.module.__dict__["forward"] = output if traced else self._holders_only(output.module, output)
+            try:
+                yield
+            finally:
+                for module, _ in self._forwards:
+                    module.__dict__.pop("forward", None)
+                for group in self.groups:
+                    group.clear()
+                self._holder = holder
+            if inputs:
+                self._group(inputs)
+
+    def _in_holders_thread(self) -> list[tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]]:
+        if self._guarded is None:
+            self._guarded = [(module, self._holders_only(module, forward)) for module, forward in self._forwards]
+        return self._guarded
+
+    def _holders_only(self, module: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`forward` in the thread of the forward the packs are active in, the module's own in any other."""
+        own = functools.partial(type(module).forward, module)
+
+        def in_its_thread(x: torch.Tensor) -> torch.Tensor:
+            return forward(x) if threading.get_ident() == self._holder else own(x)
+
+        return in_its_thread
 
     def find_groups(self, model: torch.nn.Module) -> None:
         """Find the linears to stack (`_group`) by a one-token forward of `model` without a cache, where the
@@ -154,6 +186,7 @@ class PackedLinears:
                 self.groups.append(_SharedInputLinears(self.packer, members))
         forwards = {module: forward for group in self.groups for module, forward in group.forwards()}
         self._forwards = [(module, forwards.get(module, forward)) for module, forward in self._forwards]
+        self._guarded = None
 
 
 def _recording(module: torch.nn.Linear, forward: Callable[[torch.Tensor], torch.Tensor],
@@ -176,8 +209,9 @@ class _SharedInputLinears:
         bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
         if packer == "q4":  # whole panels of 16 features each: stacked, each output computed as alone
             bias = None if bias is None else bias.float()
-            self._forward = functools.partial(kernels.linear_q4, codes=torch.cat([m.codes for m in members]),
-                                              scales=torch.cat([m.scales_and_zeros for m in members]), bias=bias)
+            stacked = functools.partial(kernels.linear_q4, codes=torch.cat([m.codes for m in members]),
+                                        scales=torch.cat([m.scales_and_zeros for m in members]), bias=bias)
+            self._forward = lambda x: stacked(x).to(x.dtype)  # as each layer's own (`Int4Linear.forward`)
         else:
             self._forward = _packed_forward(packer, torch.cat([m.weight.detach() for m in members]), bias)
         ends = list(itertools.accumulate(m.out_features for m in members))
@@ -316,15 +350,44 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(parameter, DTensor) for parameter in model.parameters())
 
 
-_PACKED: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, PackedLinears]] = weakref.WeakKeyDictionary()
+_PACKED: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[tuple, PackedLinears]]] = weakref.WeakKeyDictionary()
+_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def _lock_of(model: torch.nn.Module) -> threading.RLock:
+    """The lock that our forwards of `model` through packed linears take turns by."""
+    with _LOCKS_LOCK:
+        return _LOCKS.setdefault(model, threading.RLock())
 
 
 def _packs(model: torch.nn.Module, packer: str) -> PackedLinears:
-    """The model's packed linears of `packer`, made at first use and kept while the model lives."""
+    """The model's packed linears of `packer`, made at first use (the linears that share an input found by a
+    one-token forward, not recorded in the first forward of ours, which may be a long prompt's) and kept while
+    the model lives and its weights stay as they are (`weights_version`: trained or loaded again in place,
+    they are packed again)."""
     packs = _PACKED.setdefault(model, {})
-    if packer not in packs:
-        packs[packer] = PackedLinears(model, packer)
-    return packs[packer]
+    version = weights_version(model)
+    if packer not in packs or packs[packer][0] != version:
+        packs.pop(packer, None)  # its copy freed before the next is made
+        made = PackedLinears(model, packer)
+        if isinstance(model, PreTrainedModel):
+            made.find_groups(model)
+        packs[packer] = version, made
+    return packs[packer][1]
+
+
+def weights_version(model: torch.nn.Module) -> tuple:
+    """What changes when the model's weights do: each tensor's storage and its count of in-place changes (an
+    optimizer's step, `load_state_dict`)."""
+    return tuple((tensor.data_ptr(), _version(tensor)) for tensor in itertools.chain(model.parameters(), model.buffers()))
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor: no count kept, and it cannot be changed in place outside inference mode
+        return 0
 
 
 def check_model(model: PreTrainedModel) -> None:
@@ -333,6 +396,8 @@ def check_model(model: PreTrainedModel) -> None:
         raise UnsupportedModelError(f"model must be a transformers causal LM, got {type(model).__name__}")
     config = model.config.get_text_config(decoder=True)
     attention = getattr(model.config, "_attn_implementation", None) or "eager"
+    if attention == ATTENTION_NAME:  # ours, in place of SDPA while a forward of ours runs in another thread
+        attention = "sdpa"
     if attention not in SUPPORTED_ATTENTION:
         raise UnsupportedModelError(
             f"attention implementation {attention!r} cannot take a custom 4-D mask; load the model with "
@@ -397,11 +462,13 @@ def _compiled_forward(model: PreTrainedModel, mode: str, how: str) -> Callable:
 
 
 def _signature(model: PreTrainedModel) -> tuple:
-    """What a compiled forward of `model` assumes: its tensors' names, shapes, dtypes and devices, its attention
-    implementation and training mode."""
+    """What a compiled forward of `model` assumes: its tensors' names, shapes, dtypes and devices, and the
+    weights themselves (`weights_version`: frozen graphs hold them as constants), its attention implementation
+    (ours, set during a forward of another thread, counting as SDPA) and training mode."""
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    attention = getattr(model.config, "_attn_implementation", None)
     return (tuple((name, tensor.shape, tensor.dtype, tensor.device) for name, tensor in tensors),
-            getattr(model.config, "_attn_implementation", None), model.training)
+            weights_version(model), "sdpa" if attention == ATTENTION_NAME else attention, model.training)
 
 
 def _forward_of_its_own() -> Callable:
@@ -482,9 +549,11 @@ class HFModelRunner:
         self.compiled_heights = COMPILED_HEIGHTS[1:] if self.freezes else COMPILED_HEIGHTS
         how = f"kernels-{self._compiled_packer}" if self.compiled_kernel else "frozen" if self.freezes else "as-is"
         self._compiled = _compiled_forward(model, self.compile_mode, how) if self.compile else None
-        self._eager_heights: set[int] = set()  # heights whose compilation failed
-        self.compile_seconds: dict[int, float] = {}  # step height -> seconds of its first (compiling) call
+        # Compiled step shapes, (height, several sequences or one): dynamo compiles one sequence apart.
+        self._eager_shapes: set[tuple[int, bool]] = set()  # those whose compilation failed
+        self.compile_seconds: dict[tuple[int, bool], float] = {}  # those compiled -> seconds of the compiling call
         self._packed: PackedLinears | None = None
+        self._compiled_packs: PackedLinears | None = None  # those of `_compiled_packer`, at the first compiled step
         self.packed_from: int | None = None  # steps this long or longer run packed
         # Eager steps of sequences of different heights run ragged (see `ragged`); False: always padded.
         self.ragged_steps = True
@@ -512,9 +581,9 @@ class HFModelRunner:
         """The linears of compiled steps: ours, traced as an op of the graph, or frozen and packed by inductor."""
         if not self.compiled_kernel:
             return _freezing() if self.freezes else nullcontext()
-        packs = _packs(self.model, self._compiled_packer)
-        packs.find_groups(self.model)
-        return packs.active()
+        if self._compiled_packs is None:
+            self._compiled_packs = _packs(self.model, self._compiled_packer)
+        return self._compiled_packs.active(traced=True)
 
     @property
     def packer(self) -> str | None:
@@ -677,31 +746,33 @@ class HFModelRunner:
 
     def _forward_compiled(self, store: KVStore, batch: StepBatch) -> torch.Tensor | None:
         """The step padded to a compiled height and run compiled; None where it runs eagerly (a prefill chunk
-        taller than any compiled height, no room left in the store, that height failed to compile, or
+        taller than any compiled height, no room left in the store, that shape failed to compile, or
         padding that would more than double its rows)."""
         height = next((h for h in self.compiled_heights if h >= batch.height), None)
         slots = range(max(batch.slots) + 1)  # the first slots, those not in the batch padded: one shape class
         cached = [store.lengths[slot] for slot in slots]
-        if height is None or height in self._eager_heights or max(cached) + height > store.capacity:
+        shape = (height, len(slots) > 1)
+        if height is None or shape in self._eager_shapes or max(cached) + height > store.capacity:
             return None
         if len(slots) * height > 2 * len(batch.slots) * batch.height:
             return None  # padding would more than double the rows (a prompt chunk for a late slot): eager
         padded = pad_batch(batch, cached, height, max(cached) + height, slots)
         store.begin(padded.slots, height, padded.visible.shape[-1], self.device)
-        first = height not in self.compile_seconds
+        first = shape not in self.compile_seconds
         start = time.perf_counter()
         try:
             out = self._call(store, padded, logits_to_keep=0, compiled=True)  # 0: every row's logits
-        except Exception as error:  # noqa: BLE001 - any compiler failure: that height runs eagerly from now on
+        except Exception as error:  # noqa: BLE001 - any compiler failure: that shape runs eagerly from now on
             if not first:
                 raise
-            warnings.warn(f"torch.compile failed for steps of {height} rows; they run eagerly: "
+            sequences = "several sequences" if shape[1] else "one sequence"
+            warnings.warn(f"torch.compile failed for steps of {height} rows of {sequences}; they run eagerly: "
                           f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
                           RuntimeWarning, stacklevel=3)
-            self._eager_heights.add(height)
+            self._eager_shapes.add(shape)
             return None
         if first:
-            self.compile_seconds[height] = time.perf_counter() - start
+            self.compile_seconds[shape] = time.perf_counter() - start
         return out.logits[torch.tensor(batch.slots, device=self.device)][:, batch.logit_rows.to(self.device)]
 
     def _attention_mask(self, batch: StepBatch) -> torch.Tensor | dict[str, torch.Tensor]:
