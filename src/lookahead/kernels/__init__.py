@@ -140,7 +140,10 @@ def runs_q4() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 weight [n, k] laid out in panels of 16 features, [ceil(n / 16), k, 16], zero past feature n."""
+    """A float32 weight [n, k] laid out in panels of 16 features, [ceil(n / 16), k, 16], zero past feature n.
+    Loads the kernels (`library`), which raises where they do not run here."""
+    if library() is None:
+        raise RuntimeError("lookahead's float32 kernel does not run here (see kernels.library)")
     n, k = weight.shape
     padded = weight.new_zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
     padded[:n] = weight
