@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -311,6 +312,71 @@ def test_an_engine_failure_is_a_server_error_and_the_server_keeps_serving(server
     assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
     reply = client(url).chat.completions.create(model=MODEL, messages=HI, max_tokens=2, temperature=0)
     assert reply.usage.completion_tokens == 2
+
+
+def test_requests_are_queued_and_answered_while_a_step_is_in_progress(server, monkeypatch):
+    """The engine's thread takes new requests between steps: while a step runs (held here), a request that
+    arrives waits for it without holding up the server's event loop (the health check answers meanwhile), and
+    is decoded afterwards."""
+    url, app = server
+    engine = app.state.engine_loop.engine
+    stepping, release = threading.Event(), threading.Event()
+    step = engine.step
+
+    def held_step():
+        stepping.set()
+        release.wait(60)
+        return step()
+
+    monkeypatch.setattr(engine, "step", held_step)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(lambda: client(url).chat.completions.create(model=MODEL, messages=HI, max_tokens=2,
+                                                                        temperature=0))
+        assert stepping.wait(60)  # a step is in progress
+        second = pool.submit(lambda: client(url).chat.completions.create(model=MODEL, messages=HI, max_tokens=3,
+                                                                         temperature=0))
+        time.sleep(0.5)  # the second request has reached the server
+        started = time.perf_counter()
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
+            assert response.status == 200
+        assert time.perf_counter() - started < 5 and not first.done() and not second.done()
+        monkeypatch.undo()
+        release.set()
+        assert first.result(timeout=120).usage.completion_tokens == 2
+        assert second.result(timeout=120).usage.completion_tokens == 3
+
+
+def test_a_failed_step_fails_its_requests_not_those_waiting_for_a_slot(default_model, monkeypatch):
+    """One slot, two requests: the step that fails (its forward) ends the request in it with a server error;
+    the one waiting for the slot is decoded after it, as `generate` decodes it."""
+    model, tokenizer = default_model
+    app = create_app(model, tokenizer, model_name=MODEL, max_batch=1, max_queue=4, max_length=256, api_keys=KEYS)
+    with serve_in_thread(app) as url:
+        loop = app.state.engine_loop
+        forward, calls = loop.engine.runner.forward, []
+
+        def failing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:  # the first request's first decoding step: until the second has arrived
+                deadline = time.monotonic() + 60
+                while not loop._added and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            if len(calls) == 3:  # the next one, the second request waiting for the slot
+                assert loop.engine.waiting() == 1
+                raise RuntimeError("out of memory (simulated)")
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(loop.engine.runner, "forward", failing)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(lambda: client(url).chat.completions.create(model=MODEL, messages=HI, max_tokens=8,
+                                                                            temperature=0))
+            while not calls:
+                time.sleep(0.01)
+            second = pool.submit(lambda: client(url).chat.completions.create(model=MODEL, messages=HI, max_tokens=4,
+                                                                             temperature=0))
+            with pytest.raises(openai.InternalServerError, match="out of memory"):
+                first.result(timeout=120)
+            assert second.result(timeout=120).choices[0].message.content == greedy_text(default_model, "hi", 4)
 
 
 def test_a_wrong_api_key_is_refused_before_the_body_is_read(server):

@@ -96,6 +96,18 @@ def test_a_batch_without_attention_mask_is_padded_where_its_pad_tokens_are():
         generate(model, torch.tensor([[5, pad, 6], [7, 8, 9]]), max_new_tokens=2)
 
 
+def test_a_batch_without_attention_mask_is_padded_where_the_pad_token_given_is():
+    """`pad_token_id=` names the padding of a batch given without a mask, as it does for `generate`."""
+    model = make_tiny_model("llama")
+    other = 4
+    assert other != model.generation_config.pad_token_id
+    ids, _ = _left_padded([[5, 6, 7, 8, 9], [11, 12, 13]], other)
+    with torch.inference_mode():
+        expected = model.generate(ids, do_sample=False, max_new_tokens=8, eos_token_id=[], pad_token_id=other)
+    out = generate(model, ids, max_new_tokens=8, eos_token_id=[], pad_token_id=other)
+    assert out.sequences.tolist() == expected.tolist()
+
+
 @pytest.mark.parametrize("config", [None, LookaheadConfig(window=5, ngram=4, guesses=5)], ids=["auto", "W5N4G5"])
 def test_steps_stay_inside_a_context_of_learned_positions(config, drafts_always):
     """GPT-2 has an embedding for positions below n_positions only: no row of a step (window, drafts,

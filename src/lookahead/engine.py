@@ -228,6 +228,10 @@ class Engine:
         """Requests holding a slot."""
         return sum(request is not None for request in self._slots)
 
+    def running_ids(self) -> list[int]:
+        """The ids of the requests holding a slot (those the next step decodes or feeds a prompt chunk of)."""
+        return [request.id for request in self._slots if request is not None]
+
     def waiting(self) -> int:
         """Requests queued for a slot."""
         return len(self._waiting)

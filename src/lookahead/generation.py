@@ -86,7 +86,7 @@ def generate(
     pad = pad_id(model, eos_token_id) if pad_token_id is None else pad_token_id
     if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
         raise ValueError(f"pad_token_id must be a token id (an integer >= 0) or None, got {pad_token_id!r}")
-    prompts, layout = _prompts(input_ids, attention_mask, _inferred_padding(model, eos_token_id))
+    prompts, layout = _prompts(input_ids, attention_mask, _inferred_padding(model, eos_token_id, pad_token_id))
     checked = [check_request(model, prompt, max_new_tokens) for prompt in prompts]
     if len(checked) > 1 and streamer is not None:
         raise ValueError("streamer takes one sequence: pass one prompt, or no streamer")
@@ -164,8 +164,8 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None, padding: int | None
     return [row[keep.bool()] for row, keep in zip(ids, mask)], ids.to(torch.long).cpu()
 
 
-def _inferred_padding(model: PreTrainedModel, eos_token_id) -> int | None:
-    """The token `generate` reads as padding when it gets no attention mask: the model's pad token, unless
-    it is a stop token too."""
-    pad = getattr(model.generation_config, "pad_token_id", None)
+def _inferred_padding(model: PreTrainedModel, eos_token_id, pad_token_id: int | None) -> int | None:
+    """The token `generate` reads as padding when it gets no attention mask: the pad token given, else the
+    model's, unless it is a stop token too."""
+    pad = getattr(model.generation_config, "pad_token_id", None) if pad_token_id is None else pad_token_id
     return None if pad is None or pad in eos_ids(model, eos_token_id) else int(pad)

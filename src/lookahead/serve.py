@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
@@ -238,36 +240,57 @@ class _Stream:
 
 
 class EngineLoop:
-    """Steps the engine on a thread of its own; `add` and `abort` may be called from any thread."""
+    """Steps the engine on a thread of its own. `add` (from an event loop) and `abort` (from any thread) hand
+    their work to that thread, which does it between steps: neither waits for a step in progress (which would
+    hold up every other stream, the health check and the disconnect polls of the event loop meanwhile), and a
+    busy engine, taking its lock again right after each step, cannot keep them waiting for several."""
 
     def __init__(self, engine: Engine, max_queue: int) -> None:
         self.engine = engine
         self.max_queue = max_queue
-        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._streams: dict[int, _Stream] = {}
+        self._added: deque[tuple[torch.Tensor, RequestParams, _Stream, asyncio.Future]] = deque()
+        self._aborted: deque[int] = deque()  # requests to drop before the next step
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="lookahead-engine", daemon=True)
         self._thread.start()
 
-    def add(self, prompt: torch.Tensor, params: RequestParams) -> tuple[int, _Stream]:
-        with self._lock:
+    async def add(self, prompt: torch.Tensor, params: RequestParams) -> tuple[int, _Stream]:
+        """Queue a request, before the engine's next step; its id and the stream of its outputs. Raises
+        APIError 429 where the queue is full, 400 where the engine refuses the request, 503 where the engine
+        has stopped."""
+        if self._stopped or not self._thread.is_alive():
+            raise APIError(503, "the server's engine has stopped; no request can be decoded", kind="server_error")
+        loop = asyncio.get_running_loop()
+        added = loop.create_future()
+        self._added.append((prompt, params, _Stream(loop), added))
+        self._wake.set()
+        return await added
+
+    def _admit(self, prompt: torch.Tensor, params: RequestParams, stream: _Stream, added: asyncio.Future) -> None:
+        """`add`'s work, on the engine's thread; its answer set on the caller's loop."""
+        try:
             if self.engine.running() + self.engine.waiting() >= self.engine.max_batch + self.max_queue:
                 raise APIError(429, f"the server is full ({self.engine.max_batch} requests decode, {self.max_queue} "
-                                    "may wait); retry later",
-                               kind="rate_limit_error")
+                                    "may wait); retry later", kind="rate_limit_error")
             try:
                 request = self.engine.add_request(prompt, params)
             except ValueError as error:
                 raise APIError(400, str(error)) from error
-            stream = self._streams[request] = _Stream(asyncio.get_running_loop())
-        self._wake.set()
-        return request, stream
+        except APIError as error:
+            answer = functools.partial(_settle, added, error=error)
+        else:
+            self._streams[request] = stream
+            answer = functools.partial(_settle, added, (request, stream), on_cancelled=lambda: self.abort(request))
+        try:
+            stream.loop.call_soon_threadsafe(answer)
+        except RuntimeError:  # its event loop is closed: nobody waits for it
+            pass
 
     def abort(self, request: int) -> None:
-        with self._lock:
-            self.engine.abort(request)
-            self._streams.pop(request, None)
+        self._aborted.append(request)
+        self._wake.set()
 
     def stop(self) -> None:
         self._stopped = True
@@ -276,28 +299,50 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopped:
-            with self._lock:
-                busy = self.engine.has_unfinished()
-                try:
-                    outputs = self.engine.step() if busy else []
-                except Exception as error:  # noqa: BLE001 - a failed step fails its requests; the server goes on
-                    traceback.print_exc()
-                    deliveries = [(stream, _engine_failure(error)) for stream in self._streams.values()]
-                    for request in self._streams:
-                        self.engine.abort(request)
-                    self._streams.clear()
-                else:
-                    deliveries = [(self._streams.get(o.request_id), o if o.error is None else _engine_failure(o.error))
-                                  for o in outputs]
-                    for output in outputs:
-                        if output.finished:
-                            self._streams.pop(output.request_id, None)
+            while self._added:
+                self._admit(*self._added.popleft())
+            while self._aborted:
+                request = self._aborted.popleft()
+                self.engine.abort(request)
+                self._streams.pop(request, None)
+            busy = self.engine.has_unfinished()
+            try:
+                outputs = self.engine.step() if busy else []
+            except Exception as error:  # noqa: BLE001 - a failed step fails its requests; the server goes on
+                traceback.print_exc()
+                # Those holding a slot were in the step, those still waiting not, unless none held one (the
+                # step failed before admitting any): then nothing else would ever end the waiting ones.
+                failed = self.engine.running_ids() or list(self._streams)
+                deliveries = [(self._streams.pop(request, None), _engine_failure(error)) for request in failed]
+                for request in failed:
+                    self.engine.abort(request)
+            else:
+                deliveries = [(self._streams.get(o.request_id), o if o.error is None else _engine_failure(o.error))
+                              for o in outputs]
+                for output in outputs:
+                    if output.finished:
+                        self._streams.pop(output.request_id, None)
             for stream, delivery in deliveries:
                 if stream is not None:
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delivery)
+                    try:
+                        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delivery)
+                    except RuntimeError:  # its event loop is closed: nobody reads it
+                        pass
             if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+
+
+def _settle(future: asyncio.Future, result: Any = None, error: Exception | None = None,
+            on_cancelled: Callable[[], None] | None = None) -> None:
+    """Answer `future` (on its loop); where its caller has gone meanwhile, `on_cancelled` instead."""
+    if future.cancelled():
+        if on_cancelled is not None:
+            on_cancelled()
+    elif error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _engine_failure(error: Exception) -> APIError:
@@ -400,7 +445,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         started = time.time()
         arrived = time.perf_counter()
-        rid, stream = runner.add(prompt, params)
+        rid, stream = await runner.add(prompt, params)
         metrics.requests.labels("chat" if chat else "completions").inc()
         metrics.prompt_tokens.inc(prompt.numel())
         reply = _Reply(tokenizer, stops, eos_ids(model, params.eos_token_id))

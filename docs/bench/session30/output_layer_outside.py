@@ -1,5 +1,7 @@
 """One-row compiled float32 steps over ~300 cached tokens, the output layer in the graph or outside it (argmax
-layer), the two runners alternating in one process."""
+layer), the two runners alternating in one process (session 30). It ran against the experiment's code, not kept
+(`HFModelRunner.output_outside_graph`, the output layer taken out of the graph): a record
+of what was measured, not runnable on the repository as it is (measurements.md)."""
 import time, torch
 import lookahead.hf as hf
 from lookahead.models import load_model
