@@ -299,6 +299,23 @@ def test_a_request_whose_decoding_rule_fails_ends_alone_and_the_others_stay_exac
         generate(llama_tiny, prompts[0], max_new_tokens=8, logits_processor=[FailsOnce(2)])
 
 
+def test_a_failed_generate_ends_its_stream(llama_tiny):
+    """A reader of transformers' `TextIteratorStreamer` waits for the stream's end: a `generate` that fails
+    ends it too, then raises."""
+    from transformers import TextIteratorStreamer
+
+    class Tokens:  # what the streamer needs of a tokenizer
+        def decode(self, ids, **options):
+            return " ".join(map(str, ids))
+
+    streamer = TextIteratorStreamer(Tokens(), timeout=5)
+    with pytest.raises(RuntimeError, match="a bug in the user's processor"):
+        generate(llama_tiny, prompts_of([7], seed=3)[0], max_new_tokens=8, logits_processor=[FailsOnce(3)],
+                 streamer=streamer)
+    pieces = list(streamer)  # an unended stream raises queue.Empty after its timeout instead
+    assert all(isinstance(piece, str) for piece in pieces)
+
+
 def test_a_context_too_short_to_time_steps_in_is_refused_by_name():
     from transformers import GPT2Config, GPT2LMHeadModel
     from lookahead import UnsupportedModelError
@@ -334,3 +351,16 @@ def test_prompt_chunks_ride_in_the_forward_of_the_decoding_step(llama_tiny):
     for request, prompt, p in zip(ids, prompts, params):
         expected = reference_greedy(llama_tiny, prompt.view(1, -1), p.max_new_tokens, eos_token_id=[])
         assert outputs[request] == expected[0, prompt.numel():].tolist()
+
+
+def test_an_engines_own_step_history_is_bounded(llama_tiny, monkeypatch):
+    """A server's engine steps for days: its aggregate stats keep the tokens of the last steps only."""
+    import lookahead.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "STEP_HISTORY", 5)
+    engine = Engine(llama_tiny, max_batch=1)
+    plain = LookaheadConfig(window=0, guesses=0)  # a token a step: 12 steps
+    engine.add_request(prompts_of([6], seed=2)[0], RequestParams(max_new_tokens=12, eos_token_id=[], config=plain))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats.steps == 12 and list(engine.stats.accepted_per_step) == [1] * 5

@@ -87,6 +87,10 @@ def test_text_completion_and_stop_strings(server, default_model):
     stop = expected.strip()[3:6]
     cut = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
     assert cut.choices[0].text == expected[: expected.find(stop)] and cut.choices[0].finish_reason == "stop"
+    # Usage counts the tokens up to the one that completed the stop string, not those decoded past it.
+    generated = reference_greedy(model, ids, 20)[0, ids.shape[1]:].tolist()
+    through = next(n for n in range(1, 21) if stop in tokenizer.decode(generated[:n], skip_special_tokens=True))
+    assert through < 20 and cut.usage.completion_tokens == through
 
 
 def test_thirty_two_concurrent_streams_each_equal_their_request_alone(server, default_model):

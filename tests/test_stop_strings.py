@@ -32,3 +32,15 @@ def test_a_held_back_tail_is_sent_when_it_turns_out_not_to_be_a_stop_string_or_t
     assert reply.add([2]) == "n <"  # it did not
     assert _sent([[0], [1]], ["n >"]) == ("\n    if n", False)  # the request ended: nothing held back
     assert _sent([[4], [5]], []) == (" 1\u00e9", False)
+
+
+def test_a_reply_cut_by_a_stop_string_counts_the_tokens_up_to_the_one_that_completed_it():
+    """Usage counts the reply's tokens: where a step brought tokens past a stop string, not those."""
+    for steps in ([[0, 1, 2, 3, 4]], [[0], [1, 2, 3, 4]], [[0, 1], [2], [3, 4]]):
+        reply = _Reply(_Pieces(), ["n <"])
+        for tokens in steps:
+            reply.add(tokens)
+        assert reply.stopped and reply.tokens == 3  # "\n    if", " n", " <"
+    reply = _Reply(_Pieces(), ["n >"])
+    reply.add([0, 1, 2, 3, 4], finished=True)
+    assert not reply.stopped and reply.tokens == 5

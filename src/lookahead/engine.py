@@ -53,6 +53,9 @@ def acceptance_stats(model: PreTrainedModel, sampling: bool = False) -> Acceptan
     return by_rule.setdefault(sampling, AcceptanceStats())
 
 
+STEP_HISTORY = 1 << 16  # steps whose accepted tokens an engine's own stats keep (`Engine.stats`)
+
+
 @dataclass
 class GenerationStats:
     steps: int = 0  # forward passes after the prompt's prefill
@@ -60,7 +63,7 @@ class GenerationStats:
     seconds: float = 0.0
     forward_seconds: float = 0.0  # inside the model's forward (prefill included); the rest is our overhead
     tokens_fed: int = 0  # tokens fed to the model over all steps (the per-step FLOPs budget)
-    accepted_per_step: list[int] = field(default_factory=list, repr=False)
+    accepted_per_step: list[int] | deque[int] = field(default_factory=list, repr=False)
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted guess tokens per draft source
     window: int = 0  # columns of the lookahead window the step fed (the budget's choice under `budget`)
     undrafted_steps: int = 0  # steps the automatic budget ran without drafts, where they did not pay
@@ -183,7 +186,9 @@ class Engine:
             self._costs = shared[0]
         self.cost: CostCurve = self._costs[1]
         self.store = self.runner.new_store(max_batch, max_length + STEP_ROOM)
-        self.stats = GenerationStats()  # of every step, all requests together
+        # Of every step, all requests together; the tokens of the last STEP_HISTORY steps alone, so that a
+        # server's engine, stepping for days, keeps a bounded list.
+        self.stats = GenerationStats(accepted_per_step=deque(maxlen=STEP_HISTORY))
         # The curves corrected by this engine's own step times, overheads included, and whether drafts pay at
         # all. Not under tensor parallelism: every process must plan the same steps, and each times its own.
         self.prices = None if is_sharded(model) else StepPrices(self._cost)

@@ -100,17 +100,19 @@ def generate(
     finished: dict[int, GenerationStats] = {}
     if streamer is not None:
         streamer.put(checked[0].view(1, -1))
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.error is not None:
-                raise output.error
-            generated[output.request_id].extend(output.tokens)
-            if streamer is not None and output.tokens:
-                streamer.put(torch.tensor(output.tokens))
-            if output.finished:
-                finished[output.request_id] = output.stats
-    if streamer is not None:
-        streamer.end()
+    try:
+        while engine.has_unfinished():
+            for output in engine.step():
+                if output.error is not None:
+                    raise output.error
+                generated[output.request_id].extend(output.tokens)
+                if streamer is not None and output.tokens:
+                    streamer.put(torch.tensor(output.tokens))
+                if output.finished:
+                    finished[output.request_id] = output.stats
+    finally:  # a failure ends the stream too: a reader of an iterator streamer would otherwise wait forever
+        if streamer is not None:
+            streamer.end()
     stats = engine.stats
     stats.seconds = time.perf_counter() - start
     stats.per_sequence = [finished[i] for i in ids]

@@ -626,10 +626,13 @@ class _Reply:
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
+        self._through_stop: int | None = None  # where a stop string cut the reply: the tokens up to its end
 
     @property
     def tokens(self) -> int:
-        return len(self.ids)
+        """The reply's tokens (`usage.completion_tokens`): where a stop string cut it, those up to the one that
+        completed the stop string; the engine's tokens past it are not the reply's."""
+        return len(self.ids) if self._through_stop is None else self._through_stop
 
     @property
     def finish_reason(self) -> str:
@@ -641,12 +644,16 @@ class _Reply:
         """The text to send after these tokens. Until the request has finished, a character cut in the middle
         and a tail that may be the start of a stop string wait for the next tokens: text once sent cannot be
         taken back when a stop string completes across two steps."""
+        before = len(self.ids)
         self.ids.extend(tokens)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         for stop in self.stops:
             at = text.find(stop)
             if at >= 0:
                 text, self.stopped = text[:at], True
+        if self.stopped and self._through_stop is None:  # completed by one of these tokens (none before did)
+            self._through_stop = next(n for n in range(before + 1, len(self.ids) + 1) if any(
+                stop in self.tokenizer.decode(self.ids[:n], skip_special_tokens=True) for stop in self.stops))
         if not (self.stopped or finished):
             if text.endswith("\ufffd"):
                 return ""
