@@ -438,11 +438,19 @@ def test_seeded_sampling_repeats_and_differs_by_seed(server):
     assert {sample(s) for s in (2, 3, 4)} != {first}
 
 
+def _settled(app) -> None:
+    """Wait until the engine has ended every request (a stop string's end is handed to it after the reply)."""
+    loop, deadline = app.state.engine_loop, time.monotonic() + 30
+    while (loop._ended or loop.engine.has_unfinished()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def test_the_corpus_is_kept_per_api_key(server):
     """A request's prompt and reply, and the model's predictions while decoding it (the recycle source's
     table), join its own key's corpus only: another key's requests never draft from them."""
     url, app = server
     corpora = app.state.corpora
+    _settled(app)
     before = {key: (len(corpora[key]), len(corpora[key].successors)) if key in corpora else (0, 0) for key in KEYS}
     question = {"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}
     client(url, KEYS[0]).chat.completions.create(model=MODEL, messages=[question], max_tokens=8, temperature=0)
@@ -450,6 +458,27 @@ def test_the_corpus_is_kept_per_api_key(server):
     assert len(corpora[KEYS[0]].successors) > 0
     other = corpora.get(KEYS[1])
     assert ((len(other), len(other.successors)) if other is not None else (0, 0)) == before[KEYS[1]]
+
+
+def test_a_reply_cut_by_a_stop_string_joins_the_corpus_up_to_the_cut(server, default_model):
+    """A stop string ends a request as its last token would: its text so far joins its key's corpus (the
+    tokens the engine decoded past the cut do not)."""
+    url, app = server
+    model, tokenizer = default_model
+    prompt = "def fibonacci(n):"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    generated = reference_greedy(model, ids, 20)[0, ids.shape[1]:].tolist()
+    stop = tokenizer.decode(generated, skip_special_tokens=True).strip()[3:6]
+    through = next(n for n in range(1, 21) if stop in tokenizer.decode(generated[:n], skip_special_tokens=True))
+    _settled(app)
+    corpus = app.state.corpora.get(KEYS[0])
+    documents = len(corpus) if corpus is not None else 0
+    cut = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == through
+    _settled(app)
+    corpus = app.state.corpora[KEYS[0]]
+    assert len(corpus) == documents + 1
+    assert list(corpus._documents[-1]) == ids[0].tolist() + generated[:through]
 
 
 def test_the_serve_command_starts_on_the_default_model():

@@ -241,6 +241,18 @@ class Engine:
         """Requests queued for a slot."""
         return len(self._waiting)
 
+    def finish(self, request_id: int, tokens: int | None = None) -> bool:
+        """End a running request now, as if it had stopped after its first `tokens` new tokens (None: all it
+        has): a rule of the caller's own met (a stop string). Its text goes into its corpus, as a finished
+        request's does; a request still waiting is dropped. False if unknown."""
+        for request in self._slots:
+            if request is not None and request.id == request_id:
+                if tokens is not None:
+                    del request.generated[tokens:]
+                self._finish(request)
+                return True
+        return self.abort(request_id)
+
     def abort(self, request_id: int) -> bool:
         """Drop a request, waiting or running; its slot is free for the next step. False if unknown."""
         for request in self._waiting:

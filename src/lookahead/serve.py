@@ -251,7 +251,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._streams: dict[int, _Stream] = {}
         self._added: deque[tuple[torch.Tensor, RequestParams, _Stream, asyncio.Future]] = deque()
-        self._aborted: deque[int] = deque()  # requests to drop before the next step
+        self._ended: deque[tuple[int, int | None]] = deque()  # requests to end before the next step (`abort`, `finish`)
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="lookahead-engine", daemon=True)
         self._thread.start()
@@ -289,7 +289,12 @@ class EngineLoop:
             pass
 
     def abort(self, request: int) -> None:
-        self._aborted.append(request)
+        self._ended.append((request, None))
+        self._wake.set()
+
+    def finish(self, request: int, tokens: int) -> None:
+        """End a request whose reply a stop string cut after `tokens` tokens (`Engine.finish`)."""
+        self._ended.append((request, tokens))
         self._wake.set()
 
     def stop(self) -> None:
@@ -301,9 +306,12 @@ class EngineLoop:
         while not self._stopped:
             while self._added:
                 self._admit(*self._added.popleft())
-            while self._aborted:
-                request = self._aborted.popleft()
-                self.engine.abort(request)
+            while self._ended:
+                request, tokens = self._ended.popleft()
+                if tokens is None:
+                    self.engine.abort(request)
+                else:
+                    self.engine.finish(request, tokens)
                 self._streams.pop(request, None)
             busy = self.engine.has_unfinished()
             try:
@@ -485,8 +493,11 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                         yield piece
                     if reply.stopped or output.finished:
                         return
-            finally:  # a stop string, or a client gone: the engine drops it (a finished request is gone already)
-                runner.abort(rid)
+            finally:  # a finished request is gone already; a stop string ends it, a client gone drops it
+                if reply.stopped:
+                    runner.finish(rid, reply.tokens)
+                else:
+                    runner.abort(rid)
 
         def chunk(piece: str | None, finish: str | None) -> dict:
             choice = ({"index": 0, "delta": ({"content": piece} if piece is not None else {}), "finish_reason": finish}
