@@ -144,11 +144,17 @@ def _on_this_thread(name: str, value: object) -> Iterator[None]:
         setattr(_THREAD, name, outer)
 
 
+def loaded_attention(config) -> str | None:
+    """The attention implementation `config` names, ours (set by `stacked_heads` while a forward of ours runs,
+    maybe in another thread) counted as the SDPA it stands for."""
+    attention = getattr(config, "_attn_implementation", None)
+    return "sdpa" if attention == NAME else attention
+
+
 def routes(model: PreTrainedModel) -> bool:
     """Whether `stacked_heads` routes this model's attention through `stacked_heads_attention` (which ragged
     forwards need): SDPA on a CPU."""
-    config = model.config.get_text_config(decoder=True)
-    return model.device.type == "cpu" and config._attn_implementation in ("sdpa", NAME)
+    return model.device.type == "cpu" and loaded_attention(model.config.get_text_config(decoder=True)) == "sdpa"
 
 
 _REPEATED: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id(mask) -> (mask, group, repeated)

@@ -245,13 +245,13 @@ class Engine:
         """End a running request now, as if it had stopped after its first `tokens` new tokens (None: all it
         has): a rule of the caller's own met (a stop string). Its text goes into its corpus, as a finished
         request's does; a request still waiting is dropped. False if unknown."""
-        for request in self._slots:
-            if request is not None and request.id == request_id:
-                if tokens is not None:
-                    del request.generated[tokens:]
-                self._finish(request)
-                return True
-        return self.abort(request_id)
+        request = self._holding(request_id)
+        if request is None:
+            return self.abort(request_id)
+        if tokens is not None:
+            del request.generated[tokens:]
+        self._finish(request)
+        return True
 
     def abort(self, request_id: int) -> bool:
         """Drop a request, waiting or running; its slot is free for the next step. False if unknown."""
@@ -259,11 +259,14 @@ class Engine:
             if request.id == request_id:
                 self._waiting.remove(request)
                 return True
-        for request in self._slots:
-            if request is not None and request.id == request_id:
-                self._free(request)
-                return True
-        return False
+        request = self._holding(request_id)
+        if request is not None:
+            self._free(request)
+        return request is not None
+
+    def _holding(self, request_id: int) -> _Request | None:
+        """The request of this id if it holds a slot."""
+        return next((r for r in self._slots if r is not None and r.id == request_id), None)
 
     def step(self) -> list[StepOutput]:
         """Admit waiting requests to free slots, feed a chunk of the joining prompts, and decode one step

@@ -20,8 +20,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from . import kernels
-from .attention import NAME as ATTENTION_NAME
-from .attention import RaggedLayout, ragged_rows, routes, stacked_heads
+from .attention import RaggedLayout, loaded_attention, ragged_rows, routes, stacked_heads
 from .quant import Int4Linear
 from .runtime.batch import StepBatch, causal_step, pack_steps, pad_batch
 from .runtime.kv import KVStore
@@ -395,9 +394,7 @@ def check_model(model: PreTrainedModel) -> None:
     if not isinstance(model, PreTrainedModel) or not hasattr(model, "get_output_embeddings"):
         raise UnsupportedModelError(f"model must be a transformers causal LM, got {type(model).__name__}")
     config = model.config.get_text_config(decoder=True)
-    attention = getattr(model.config, "_attn_implementation", None) or "eager"
-    if attention == ATTENTION_NAME:  # ours, in place of SDPA while a forward of ours runs in another thread
-        attention = "sdpa"
+    attention = loaded_attention(model.config) or "eager"
     if attention not in SUPPORTED_ATTENTION:
         raise UnsupportedModelError(
             f"attention implementation {attention!r} cannot take a custom 4-D mask; load the model with "
@@ -466,9 +463,8 @@ def _signature(model: PreTrainedModel) -> tuple:
     weights themselves (`weights_version`: frozen graphs hold them as constants), its attention implementation
     (ours, set during a forward of another thread, counting as SDPA) and training mode."""
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    attention = getattr(model.config, "_attn_implementation", None)
     return (tuple((name, tensor.shape, tensor.dtype, tensor.device) for name, tensor in tensors),
-            weights_version(model), "sdpa" if attention == ATTENTION_NAME else attention, model.training)
+            weights_version(model), loaded_attention(model.config), model.training)
 
 
 def _forward_of_its_own() -> Callable:

@@ -240,10 +240,10 @@ class _Stream:
 
 
 class EngineLoop:
-    """Steps the engine on a thread of its own. `add` (from an event loop) and `abort` (from any thread) hand
-    their work to that thread, which does it between steps: neither waits for a step in progress (which would
-    hold up every other stream, the health check and the disconnect polls of the event loop meanwhile), and a
-    busy engine, taking its lock again right after each step, cannot keep them waiting for several."""
+    """Steps the engine on a thread of its own. `add` (from an event loop), `abort` and `finish` (from any
+    thread) hand their work to that thread, which does it between steps: none waits for a step in progress
+    (which would hold up every other stream, the health check and the disconnect polls of the event loop
+    meanwhile), nor for several, as when they took a lock the busy engine took again right after each step."""
 
     def __init__(self, engine: Engine, max_queue: int) -> None:
         self.engine = engine
@@ -283,10 +283,7 @@ class EngineLoop:
         else:
             self._streams[request] = stream
             answer = functools.partial(_settle, added, (request, stream), on_cancelled=lambda: self.abort(request))
-        try:
-            stream.loop.call_soon_threadsafe(answer)
-        except RuntimeError:  # its event loop is closed: nobody waits for it
-            pass
+        _call_on(stream.loop, answer)
 
     def abort(self, request: int) -> None:
         self._ended.append((request, None))
@@ -332,13 +329,18 @@ class EngineLoop:
                         self._streams.pop(output.request_id, None)
             for stream, delivery in deliveries:
                 if stream is not None:
-                    try:
-                        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delivery)
-                    except RuntimeError:  # its event loop is closed: nobody reads it
-                        pass
+                    _call_on(stream.loop, stream.queue.put_nowait, delivery)
             if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+
+
+def _call_on(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    """`callback(*args)` on `loop`, from the engine's thread; nothing where the loop is closed (nobody waits)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass
 
 
 def _settle(future: asyncio.Future, result: Any = None, error: Exception | None = None,
