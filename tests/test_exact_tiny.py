@@ -385,6 +385,30 @@ def test_packed_linear_path_is_exact_and_leaves_the_model_as_it_was(tiny_model, 
 
 
 @pytest.mark.parametrize("packer", PACKERS)
+def test_a_linear_whose_forward_another_library_set_keeps_it(tiny_model, packer, monkeypatch):
+    """A forward set on a layer's instance by someone else (accelerate's hooks do so) is not packed over nor
+    removed: it runs in our steps, and the output is still greedy's."""
+    monkeypatch.setattr(PackedLinears, "packers", staticmethod(lambda model: (packer,)))
+    hooked = next(m for m in tiny_model.modules() if type(m) is torch.nn.Linear)
+    calls: list[int] = []
+
+    def counting(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[-2])
+        return torch.nn.Linear.forward(hooked, x)
+
+    hooked.forward = counting
+    try:
+        prompt = random_prompt(25, 23)
+        expected = reference_greedy(tiny_model, prompt, 30)
+        before = len(calls)
+        out = generate(tiny_model, prompt, max_new_tokens=30, config=LookaheadConfig(), packed_linear=True)
+        assert torch.equal(out.sequences, expected)
+        assert len(calls) > before and vars(hooked)["forward"] is counting
+    finally:
+        del hooked.forward
+
+
+@pytest.mark.parametrize("packer", PACKERS)
 def test_a_packed_forward_computes_the_linear_layer(packer):
     """Each packer's forward, for 1-130 rows in leading dimensions of any shape, with and without a bias, is
     the linear layer's (features that fill no whole panel of our kernel's included); it is set on the layer

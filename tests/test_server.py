@@ -383,6 +383,45 @@ def test_a_failed_step_fails_its_requests_not_those_waiting_for_a_slot(default_m
             assert second.result(timeout=120).choices[0].message.content == greedy_text(default_model, "hi", 4)
 
 
+def test_an_engine_thread_that_dies_answers_every_request_and_fails_health(default_model, monkeypatch):
+    """An error outside any step (here in the engine's between-step work) ends the engine's thread: the stream
+    it was decoding and a request waiting for a slot get a 503 instead of waiting forever, as do later
+    requests, and the health check says so."""
+    model, tokenizer = default_model
+    app = create_app(model, tokenizer, model_name=MODEL, max_batch=1, max_queue=4, max_length=256, api_keys=KEYS)
+    with serve_in_thread(app) as url:
+        loop = app.state.engine_loop
+        step, waiting = loop.engine.step, threading.Event()
+        poem = [{"role": "user", "content": "Write a long poem about the sea."}]
+
+        def step_until_one_waits():
+            if loop.engine.waiting():
+                waiting.set()
+            return step()
+
+        def broken():
+            if waiting.is_set():
+                raise RuntimeError("a bug between steps (simulated)")
+            return True
+
+        monkeypatch.setattr(loop.engine, "step", step_until_one_waits)
+        monkeypatch.setattr(loop.engine, "has_unfinished", broken)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(lambda: list(client(url).chat.completions.create(
+                model=MODEL, messages=poem, max_tokens=200, temperature=0, stream=True)))
+            while not loop.engine.running():
+                time.sleep(0.01)
+            second = pool.submit(lambda: client(url).chat.completions.create(model=MODEL, messages=HI, max_tokens=4))
+            with pytest.raises(openai.APIError, match="engine has stopped"):
+                first.result(timeout=120)
+            with pytest.raises(openai.InternalServerError, match="engine has stopped") as refused:
+                second.result(timeout=120)
+            assert refused.value.status_code == 503
+        with pytest.raises(openai.InternalServerError, match="engine has stopped"):
+            client(url).chat.completions.create(model=MODEL, messages=HI, max_tokens=4)
+        assert raw(f"{url}/health") == (503, {"status": "engine stopped"})
+
+
 def test_a_wrong_api_key_is_refused_before_the_body_is_read(server):
     url, _ = server
     with pytest.raises(openai.AuthenticationError):

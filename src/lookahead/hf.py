@@ -73,6 +73,8 @@ class PackedLinears:
         self._forwards: list[tuple[torch.nn.Linear, Callable[[torch.Tensor], torch.Tensor]]] = []
         packed: dict[tuple[int, int], Callable[[torch.Tensor], torch.Tensor]] = {}  # a tied weight packed once
         for module in model.modules():
+            if "forward" in vars(module):  # a forward someone else set (accelerate's hooks): theirs stays in place
+                continue
             if packer == "q4":  # our 4-bit layers run as they are, stacked where they share an input
                 if isinstance(module, Int4Linear) and module.ours:
                     self._forwards.append((module, module.forward))

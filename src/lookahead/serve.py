@@ -253,6 +253,8 @@ class EngineLoop:
         self._added: deque[tuple[torch.Tensor, RequestParams, _Stream, asyncio.Future]] = deque()
         self._ended: deque[tuple[int, int | None]] = deque()  # requests to end before the next step (`abort`, `finish`)
         self._stopped = False
+        self._ending = threading.Lock()
+        self._ended_all = False  # the thread has answered everything queued and takes nothing more
         self._thread = threading.Thread(target=self._run, name="lookahead-engine", daemon=True)
         self._thread.start()
 
@@ -260,11 +262,12 @@ class EngineLoop:
         """Queue a request, before the engine's next step; its id and the stream of its outputs. Raises
         APIError 429 where the queue is full, 400 where the engine refuses the request, 503 where the engine
         has stopped."""
-        if self._stopped or not self._thread.is_alive():
-            raise APIError(503, "the server's engine has stopped; no request can be decoded", kind="server_error")
         loop = asyncio.get_running_loop()
         added = loop.create_future()
-        self._added.append((prompt, params, _Stream(loop), added))
+        with self._ending:  # not appended after the thread's last look at the queue
+            if not self.alive() or self._ended_all:
+                raise _engine_stopped()
+            self._added.append((prompt, params, _Stream(loop), added))
         self._wake.set()
         return await added
 
@@ -278,6 +281,9 @@ class EngineLoop:
                 request = self.engine.add_request(prompt, params)
             except ValueError as error:
                 raise APIError(400, str(error)) from error
+            except Exception as error:  # noqa: BLE001 - the engine's own failure: this request's, not the loop's
+                traceback.print_exc()
+                raise _engine_failure(error) from error
         except APIError as error:
             answer = functools.partial(_settle, added, error=error)
         else:
@@ -299,17 +305,42 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout=10)
 
+    def alive(self) -> bool:
+        """Whether the engine's thread still takes and decodes requests."""
+        return not self._stopped and self._thread.is_alive()
+
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception:  # noqa: BLE001 - logged; the thread ends and what it held is answered below
+            traceback.print_exc()
+        finally:  # stopped, or died of an error outside a step: nobody would ever answer those still waiting
+            with self._ending:
+                self._ended_all = True
+                while self._added:
+                    _, _, stream, added = self._added.popleft()
+                    _call_on(stream.loop, _settle, added, None, _engine_stopped())
+            for stream in self._streams.values():
+                _call_on(stream.loop, stream.queue.put_nowait, _engine_stopped())
+            self._streams.clear()
+
+    def _end(self, request: int, tokens: int | None) -> None:
+        """`abort` or `finish`'s work. Its reply has been sent or dropped already: a failure here is only logged."""
+        self._streams.pop(request, None)
+        try:
+            if tokens is None:
+                self.engine.abort(request)
+            else:
+                self.engine.finish(request, tokens)
+        except Exception:  # noqa: BLE001 - the request ends either way; the next step frees its slot or fails
+            traceback.print_exc()
+
+    def _serve(self) -> None:
         while not self._stopped:
             while self._added:
                 self._admit(*self._added.popleft())
             while self._ended:
-                request, tokens = self._ended.popleft()
-                if tokens is None:
-                    self.engine.abort(request)
-                else:
-                    self.engine.finish(request, tokens)
-                self._streams.pop(request, None)
+                self._end(*self._ended.popleft())
             busy = self.engine.has_unfinished()
             try:
                 outputs = self.engine.step() if busy else []
@@ -353,6 +384,10 @@ def _settle(future: asyncio.Future, result: Any = None, error: Exception | None 
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _engine_stopped() -> APIError:
+    return APIError(503, "the server's engine has stopped; no request can be decoded", kind="server_error")
 
 
 def _engine_failure(error: Exception) -> APIError:
@@ -578,6 +613,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
 
     @app.get("/health")
     async def health():
+        if not runner.alive():
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok", "running": engine.running(), "waiting": engine.waiting()}
 
     _document_bodies(app, (ChatRequest, CompletionRequest))
