@@ -215,10 +215,11 @@ def test_a_ragged_layout_puts_every_row_in_one_attention_call_at_its_own_mask_ro
                     assert row == starts[b] + place
                     seen.append(row)
     assert sorted(seen) == list(range(sum(sizes))) == list(range(layout.count))
-    common, taller = min(sizes), sum(size > min(sizes) for size in sizes)
-    rest = sum(sizes) - common * len(sizes)  # rows past the shortest sequence's height
-    padding_doubles = 2 * rest <= (max(sizes) - common) * len(sizes)
-    assert len(layout.parts) == 1 + (taller if padding_doubles else 1) if taller else len(layout.parts) == 1
+    # One call padded to the tallest, or one for the rows all have and one per taller sequence: the cheaper.
+    common, taller = min(sizes), [size for size in sizes if size > min(sizes)]
+    padded = len(sizes) * (max(sizes) - common)  # rows one call adds
+    split = sum(RaggedLayout.CALL_IN_ROWS + size - common for size in taller)  # what the calls of the taller cost
+    assert len(layout.parts) == (1 if padded <= split else 1 + len(taller))
 
 
 def test_phase_seconds_account_for_the_whole_call(llama_tiny):

@@ -36,16 +36,28 @@ def stacked_heads_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     ragged = getattr(_THREAD, "ragged", None) if ours else None
     if ragged is not None:
         return _ragged_attention(module, query, key, value, attention_mask, ragged, dropout, scaling, **kwargs)
-    batch, heads, rows, dim = query.shape
-    group = heads // key.shape[1]
-    if (not ours or group == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
-            or any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in _ITS_OWN)):
+    group = query.shape[1] // key.shape[1]
+    if not ours or not _stacks(group, attention_mask, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    stacked = query.reshape(batch, key.shape[1], group * rows, dim)  # row i * Q + q: head i of the group, row q
-    out = torch.nn.functional.scaled_dot_product_attention(
-        stacked, key, value, attn_mask=_repeated(attention_mask, group), dropout_p=dropout, scale=scaling)
-    return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+    return _stacked_attention(query, key, value, _repeated(attention_mask, group), dropout, scaling), None
+
+
+def _stacks(group: int, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
+    """Whether `_stacked_attention` computes what transformers' SDPA path would."""
+    return (group > 1 and attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+            and all(kwargs.get(name) is None or kwargs.get(name) is False for name in _ITS_OWN))
+
+
+def _stacked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, repeated_mask: torch.Tensor,
+                       dropout: float, scaling: float | None) -> torch.Tensor:
+    """SDPA with each key/value head's query heads stacked as rows; `repeated_mask`: the mask's rows repeated
+    for each head of a group (`_repeated`)."""
+    batch, heads, rows, dim = query.shape
+    stacked = query.reshape(batch, key.shape[1], -1, dim)  # row i * Q + q: head i of the group, row q
+    out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=repeated_mask,
+                                                           dropout_p=dropout, scale=scaling)
+    return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous()
 
 
 @dataclass(frozen=True)
@@ -64,37 +76,43 @@ class _Part:
 
 @dataclass(frozen=True)
 class RaggedLayout:
-    """Where a ragged forward's rows go in attention (`ragged_rows`). Every sequence's first rows, as many as
-    the shortest has, go in one call over the whole batch; the rest of each longer sequence goes in a call of
-    its own over its own keys, or, where padding them to the tallest would less than double their rows, in
-    one more call over the batch so padded. One call padded to the tallest sequence would read every
-    sequence's keys once per block of query rows: 8 sequences over 300 positions, one of them 16 rows tall and
-    the others one row, spent 47 ms a step in attention against 17 ms for 8 one-row sequences (float32, 2
-    cores); a prompt of 779 tokens beside seven of 40-364 would pad each of them to 779 rows. Each call reads
-    keys only as far as its sequences' rows reach: the step's key columns run to the longest cache plus the
-    tallest sequence (a prompt chunk of 256 rows beside 15 one-row sequences over 300 cached positions had
-    them read 556 columns of keys, not 301)."""
+    """Where a ragged forward's rows go in attention (`ragged_rows`): either one call over the whole batch with
+    every sequence padded to the tallest, or one call for the rows every sequence has (as many as the shortest
+    has) and one per taller sequence for the rest of its rows, over its own keys; whichever `CALL_IN_ROWS`
+    prices lower. A call per taller sequence costs a call's overhead each; one call pads every sequence to
+    the tallest: one sequence of 16 rows beside seven of one, over 300 positions, spent 47 ms a step in
+    attention against 17 ms for 8 one-row sequences (float32, 2 cores), and a prompt chunk of 779 tokens
+    beside seven of 40-364 would pad each of them to 779 rows. Each call reads keys only as far as its
+    sequences' rows reach: the step's key columns run to the longest cache plus the tallest sequence (a
+    prompt chunk of 256 rows beside 15 one-row sequences over 300 cached positions had them read 556 columns
+    of keys, not 301)."""
 
     parts: tuple[_Part, ...]
     count: int  # rows in all
+
+    # A call of attention costs about as much as this many more query rows of each sequence it attends over
+    # (a call ~39 us a layer, a row of a sequence ~4.6 us, over 300 positions on a 2-core EPYC, float32).
+    # Alternating forward by forward, 8 sequences: three of 2 rows beside five of one, 4.2 ms a step faster
+    # in one call; one of 3 rows beside seven of one, 1.9 ms faster split (session 31).
+    CALL_IN_ROWS = 8
 
     @staticmethod
     def of(sizes: Sequence[int], cached: Sequence[int], device: torch.device) -> RaggedLayout:
         """`sizes[b]`: sequence b's rows; `cached[b]`: the positions it had cached before them."""
         starts = [sum(sizes[:b]) for b in range(len(sizes))]
         ends = [length + size for length, size in zip(cached, sizes)]  # key columns each sequence reads
-        batch = max(ends)
         count, common, tallest = sum(sizes), min(sizes), max(sizes)
-        rows = torch.tensor([[start + r for r in range(common)] for start in starts], device=device)
-        parts = [_Part(slice(0, len(sizes)), rows, slice(0, common), None, batch)]
         taller = [b for b, size in enumerate(sizes) if size > common]
-        if 2 * (count - common * len(sizes)) > (tallest - common) * len(sizes):  # padding less than doubles them
-            rest = torch.tensor([[start + r if r < size else count for r in range(common, tallest)]
+        split = sum(RaggedLayout.CALL_IN_ROWS + sizes[b] - common for b in taller)  # what their calls cost
+        if len(sizes) * (tallest - common) <= split:  # one call, padded to the tallest
+            rows = torch.tensor([[start + r if r < size else count for r in range(tallest)]
                                  for start, size in zip(starts, sizes)], device=device)
-            parts.append(_Part(slice(0, len(sizes)), rest, slice(common, tallest), (rest < count).view(-1), batch))
-        else:
-            parts += [_Part(slice(b, b + 1), torch.arange(starts[b] + common, starts[b] + sizes[b], device=device)[None],
-                            slice(common, sizes[b]), None, ends[b]) for b in taller]
+            real = (rows < count).view(-1) if taller else None
+            return RaggedLayout((_Part(slice(0, len(sizes)), rows, slice(0, tallest), real, max(ends)),), count)
+        rows = torch.tensor([[start + r for r in range(common)] for start in starts], device=device)
+        parts = [_Part(slice(0, len(sizes)), rows, slice(0, common), None, max(ends))]
+        parts += [_Part(slice(b, b + 1), torch.arange(starts[b] + common, starts[b] + sizes[b], device=device)[None],
+                        slice(common, sizes[b]), None, ends[b]) for b in taller]
         return RaggedLayout(tuple(parts), count)
 
 
@@ -105,22 +123,40 @@ def _ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     another, the keys and values [B, kv heads, L, D] and the mask [B, 1, h, L] per sequence as in a padded
     step; each part of `layout` is laid out as a padded step and run through the usual path."""
     heads, dim = query.shape[1], query.shape[3]
+    group = heads // key.shape[1]
+    stacks = _stacks(group, attention_mask, kwargs)
+    masks = _part_masks(layout, attention_mask, group if stacks else 1)
     flat = torch.cat([query[0].transpose(0, 1), query.new_zeros(1, heads, dim)])  # [N + 1, heads, D]
     out = query.new_empty(layout.count, heads, dim)
-    with _on_this_thread("ragged", None):  # the parts run through the padded path
-        for part in layout.parts:
-            sequences = part.sequences
-            padded = flat[part.rows].transpose(1, 2)  # [n, heads, r, D]
-            keys = slice(0, part.keys)
-            result, _ = stacked_heads_attention(module, padded, key[sequences, :, keys], value[sequences, :, keys],
-                                                attention_mask[sequences, :, part.mask_rows, keys], dropout,
-                                                scaling, **kwargs)
-            result = result.reshape(-1, heads, dim)  # [n * r, heads, D]
-            if part.real is None:
-                out[part.rows.view(-1)] = result
-            else:
-                out[part.rows.view(-1)[part.real]] = result[part.real]
+    for part, mask in zip(layout.parts, masks):
+        sequences, keys = part.sequences, slice(0, part.keys)
+        padded = flat[part.rows].transpose(1, 2)  # [n, heads, r, D]
+        if stacks:
+            result = _stacked_attention(padded, key[sequences, :, keys], value[sequences, :, keys], mask, dropout,
+                                        scaling)
+        else:
+            result, _ = sdpa_attention_forward(module, padded, key[sequences, :, keys], value[sequences, :, keys],
+                                               mask, dropout=dropout, scaling=scaling, **kwargs)
+        result = result.reshape(-1, heads, dim)  # [n * r, heads, D]
+        if part.real is None:
+            out[part.rows.view(-1)] = result
+        else:
+            out[part.rows.view(-1)[part.real]] = result[part.real]
     return out.unsqueeze(0), None
+
+
+def _part_masks(layout: RaggedLayout, attention_mask: torch.Tensor, group: int) -> list[torch.Tensor]:
+    """Each part's rows and key columns of the mask, repeated for each head of a group: every layer of a
+    forward gets the same mask, so eagerly they are cut once a forward (per layer, 20 us a part: 8 sequences,
+    three of them taller, spent 2.5 ms of a 41 ms step so; session 31)."""
+    cached = getattr(_THREAD, "part_masks", None)  # (layout, mask, group, masks) of this thread's last forward
+    if cached is not None and cached[0] is layout and cached[1] is attention_mask and cached[2] == group:
+        return cached[3]
+    masks = [attention_mask[part.sequences, :, part.mask_rows, :part.keys] for part in layout.parts]
+    if group > 1:
+        masks = [mask.repeat(1, 1, group, 1) for mask in masks]
+    _THREAD.part_masks = (layout, attention_mask, group, masks)
+    return masks
 
 
 @contextmanager
