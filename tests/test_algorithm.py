@@ -18,7 +18,7 @@ from lookahead.core.layout import build_guess_tree, step_layout
 from lookahead.core.pool import NGramPool, PoolProposer
 from lookahead.core.suffix import Corpus
 from lookahead.core.verify import (
-    ROOT, Verdict, _mix, greedy_choice, gumbel_noise, sample_choice, verify_greedy, walk_tree,
+    ROOT, Verdict, _mix, greedy_choice, gumbel_noise, sample_choice, top_tokens, verify_greedy, walk_tree,
 )
 from lookahead.core.window import LookaheadWindow
 
@@ -110,6 +110,16 @@ def test_pool_ranks_continuations_with_longer_shared_context_first():
     assert pool.continuations([7, 8, 1]) == [(2, 3), (6, 6), (4, 4)]
     assert pool.continuations([9, 8, 1]) == [(2, 3), (6, 6), (4, 4)]  # shares two tokens
     assert len(pool) == 6  # every n-gram of both texts, once
+
+
+def test_pool_keeps_all_the_context_a_short_text_has():
+    """An n-gram near the start of a text, with fewer tokens before it than the pool's context takes, is filed
+    under every shorter context it has (a negative slice start once cut the two tokens before it to one)."""
+    pool = NGramPool(ngram=2, capacity=3, context=4)
+    pool.add((7, 8), before=(1, 2))
+    pool.add((7, 5), before=(0, 2))  # later, and sharing only the token before 7 with the text below
+    assert pool.continuations([1, 2, 7]) == [(8,), (5,)]
+    assert pool.continuations([3, 2, 7]) == [(5,), (8,)]  # recency where both share as much
 
 
 def test_pool_from_sequence_and_zero_capacity():
@@ -459,6 +469,35 @@ def test_decoder_transform_gets_the_context_on_the_logits_device():
     assert decoder._scores(logits[3], [6]).device.type == "meta"  # node 0 of a step with a 2-column window
     meta = torch.device("meta")
     assert seen == [(meta, torch.long, (1, len(PROMPT) + 1), meta, (1, VOCAB))]
+
+
+def test_processors_get_float32_scores_from_a_bfloat16_model():
+    """As transformers' `generate` does, logits are read as float32 before the processors run: a repetition
+    penalty of 1.3 on 10.0 gives 7.692 in float32, above 7.6875, where bfloat16 rounds it to a tie (and the
+    first maximum, token 0, would win)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    seen: list[torch.dtype] = []
+    penalty = RepetitionPenaltyLogitsProcessor(1.3)
+
+    def transform(context, scores):
+        seen.append(scores.dtype)
+        return penalty(context, scores)
+
+    decoder = LookaheadDecoder(LookaheadConfig(window=0, ngram=2, guesses=0), [1, 1], transform=transform)
+    plan = decoder.plan()
+    logits = torch.full((plan.layout.logit_rows.numel(), 2), -5.0, dtype=torch.bfloat16)
+    logits[0] = torch.tensor([7.6875, 10.0])
+    assert decoder.update(plan, logits).tokens == [1]
+    assert seen == [torch.float32]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_top_tokens_of_device_logits_are_on_the_host():
+    """Trees are verified on the host: the picks of logits on a GPU are read back there."""
+    logits = torch.randn(4, 50, device="cuda")
+    picks = top_tokens(logits, 3)
+    assert picks.device.type == "cpu" and torch.equal(picks[:, 0], logits.argmax(-1).cpu())
 
 
 class _Recorder:

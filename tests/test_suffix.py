@@ -98,9 +98,9 @@ def test_corpus_keeps_the_newest_documents_within_its_cap():
     for start in range(0, 100, 20):
         corpus.add(list(range(start, start + 19)))  # 20 tokens each with the separator
     assert corpus.tokens <= corpus.max_tokens == 50
-    assert len(corpus) == 2
+    assert len(corpus) == 1  # the fifth did not fit beside the third and fourth: down to 3/4 of the cap
     cursor = MatchCursor(corpus.automaton)
-    cursor.feed([60, 61])
+    cursor.feed([80, 81])
     assert cursor.length == 2  # the newest documents are still there
     cursor.feed([0, 1])
     assert cursor.length == 0  # the oldest are gone
@@ -178,24 +178,30 @@ def test_corpus_default_cap_is_64_megabytes():
     assert Corpus().max_tokens == int(64 * 2**20 / BYTES_PER_TOKEN)
 
 
-def test_corpus_keeps_exactly_the_newest_documents_that_fit():
-    """Reference: each document keeps its last max_tokens - 1 tokens (one more for its separator); the corpus
-    holds the longest run of newest documents whose tokens and separators fit in max_tokens."""
-    corpus = Corpus(max_megabytes=50 * BYTES_PER_TOKEN / 2**20)
-    assert corpus.max_tokens == 50
+def test_corpus_keeps_exactly_the_newest_documents_that_fit(monkeypatch):
+    """Reference: each document keeps its last max_tokens - 1 tokens (one more for its separator); documents
+    are added while they fit in max_tokens; one that does not fit drops the oldest, down to the longest run of
+    newest documents that fits in three quarters of it (the newest one always kept). The automaton is built
+    again only then."""
+    corpus = Corpus(max_megabytes=200 * BYTES_PER_TOKEN / 2**20)
+    assert corpus.max_tokens == 200
+    rebuilds = []
+    rebuild = corpus._rebuild
+    monkeypatch.setattr(corpus, "_rebuild", lambda: rebuilds.append(1) or rebuild())
     rng = random.Random(0)
-    history = []
-    for _ in range(300):
-        size = rng.choice([0, 1, 2, 5, 10, 18, 19, 23, 24, 25, 26, 30, 47, 48, 49, 50, 51, 60, 100])
+    kept: list[list[int]] = []
+    for _ in range(600):
+        size = rng.choice([0, 1, 2, 5, 10, 18, 19, 23, 24, 25, 26, 30, 47, 48, 49, 50, 51, 60, 100, 149, 150, 151,
+                           199, 200, 300])
         document = [rng.randrange(1000) for _ in range(size)]
+        before = len(rebuilds)
         corpus.add(document)
-        history.append(document[-49:])
-        kept, total = [], 0
-        for earlier in reversed(history):
-            if total + len(earlier) + 1 > 50:
-                break
-            kept.insert(0, earlier)
-            total += len(earlier) + 1
+        kept.append(document[-199:])
+        total = sum(len(d) + 1 for d in kept)
+        evicting = total > 200
+        while evicting and len(kept) > 1 and total > 150:
+            total -= len(kept.pop(0)) + 1
+        assert len(rebuilds) == before + evicting
         held = corpus.automaton.tokens
         assert len(corpus) == len(kept) and corpus.tokens == total <= corpus.max_tokens
         assert [t for t in held if t >= 0] == [t for d in kept for t in d]

@@ -220,7 +220,10 @@ class LookaheadDecoder:
         return StepResult(verdict.tokens, kept)
 
     def _scores(self, row: torch.Tensor, accepted: list[int]) -> torch.Tensor:
-        """A node's scores: its logits `row`, transformed given the committed tokens and `accepted` below it."""
+        """A node's scores: its logits `row` in float32 (as transformers' `generate` hands them to its processors:
+        a bfloat16 row would round what they compute), transformed given the committed tokens and `accepted`
+        below it."""
+        row = row.float()
         if self.transform is None:
             return row
         context = torch.tensor(self.sequence + accepted, device=row.device).view(1, -1)

@@ -31,7 +31,7 @@ class NGramPool:
         if self.capacity == 0:
             return
         first, continuation = ngram[0], tuple(ngram[1:])
-        history = tuple(before[len(before) - self.context + 1 :])
+        history = tuple(before[max(len(before) - self.context + 1, 0) :])
         for length in range(len(history) + 1):
             entries = self._by_key.setdefault(history[len(history) - length :] + (first,), [])
             if continuation in entries:

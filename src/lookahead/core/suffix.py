@@ -130,9 +130,11 @@ BYTES_PER_TOKEN = 600
 class Corpus:
     """Text shared across `generate` calls, so that a request drafts from earlier requests' prompts and
     outputs (the same document, the same codebase). Bounded: past `max_megabytes` the oldest documents
-    are dropped first. Documents are kept apart by separators, so no match crosses two of them.
+    are dropped first, down to three quarters of the cap. Documents are kept apart by separators, so no match crosses two of them.
     `successors`: the model's predictions after each token, shared the same way by the recycle source
     (one entry per vocabulary token at most, outside the cap)."""
+
+    KEPT_AFTER_EVICTION = 0.75
 
     def __init__(self, max_megabytes: float = 64.0) -> None:
         if isinstance(max_megabytes, bool) or not isinstance(max_megabytes, (int, float)) or max_megabytes <= 0:
@@ -151,8 +153,12 @@ class Corpus:
         document = tuple(tokens[-self.max_tokens + 1 :]) if len(tokens) >= self.max_tokens else tuple(tokens)
         self._documents.append(document)
         if len(self.automaton) + len(document) + 1 > self.max_tokens:
-            while sum(len(d) + 1 for d in self._documents) > self.max_tokens:
-                self._documents.popleft()
+            # Down to the newest documents that fit in KEPT_AFTER_EVICTION of the cap (the newest always): the
+            # automaton is built again over all that is kept (0.2 s at the default cap), so once per quarter of
+            # the cap added, not at every document once the corpus is full (a server adds one per reply).
+            held, keep = sum(len(d) + 1 for d in self._documents), int(self.max_tokens * self.KEPT_AFTER_EVICTION)
+            while len(self._documents) > 1 and held > keep:
+                held -= len(self._documents.popleft()) + 1
             self._rebuild()
         else:
             self._append(document)
