@@ -110,6 +110,8 @@ def test_bench_corpus_on_a_tiny_model(tiny_dir):
         (["--dataset", "nope"], "dataset must be one of"),
         (["--config", "1,2"], "expected W,N,G"),
         (["--config", "auto:x"], "expected auto:W with W an integer >= 0"),
+        (["--config", "auto:60"], "window x (ngram - 1) must be below 128"),
+        (["--config", "50,4,5"], "window x (ngram - 1) must be below 128"),
         (["--config", "auto", "--config", "auto:5"], "each method once: lookahead-auto given twice"),
         (["--config", "1,1,1"], "ngram must be an integer >= 2"),
         (["--baselines", "greedy,beam"], "unknown ['beam']"),

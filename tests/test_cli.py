@@ -65,6 +65,8 @@ def test_installed_script_streams_text_then_summary():
         (["--ngram", "1"], "ngram must be an integer >= 2"),
         (["--dtype", "int3"], "must be one of"),
         (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--window", "50"], "window x (ngram - 1) must be below 128"),
+        (["--temperature", "0.7", "--seed", str(2**64)], "--seed"),
     ],
 )
 def test_bad_options_exit_with_a_clear_message(args, message):

@@ -24,6 +24,8 @@ from lookahead.models import ModelLoadError, load_model
         ({"seed_from_prompt": "yes"}, "seed_from_prompt must be a bool"),
         ({"learn_from_output": 1}, "learn_from_output must be a bool"),
         ({"seed": -1}, "seed must be an integer >= 0"),
+        ({"window": 100}, r"the window of 100 x 3 rows is too large for one step; window x \(ngram - 1\) must be below 128"),
+        ({"window": 43, "ngram": 4}, "the window of 43 x 3 rows is too large"),
     ],
 )
 def test_invalid_config_values(kwargs, message):
@@ -150,7 +152,6 @@ def _corpus_beyond_the_vocabulary() -> Corpus:
         ({"eos_token_id": "</s>"}, ValueError, "eos_token_id must be a token id or a list of token ids"),
         ({"eos_token_id": [2, -1]}, ValueError, "eos_token_id must be a token id or a list of token ids"),
         ({"pad_token_id": -1}, ValueError, r"pad_token_id must be a token id \(an integer >= 0\) or None, got -1"),
-        ({"config": LookaheadConfig(window=100)}, ValueError, "the window of 100 x 3 rows is too large"),
         ({"corpus": [1, 2]}, TypeError, "corpus must be a lookahead Corpus"),
         ({"corpus": _corpus_beyond_the_vocabulary()}, ValueError,
          r"the corpus holds token id 700, outside the model's vocabulary \[0, 128\)"),
@@ -160,7 +161,7 @@ def _corpus_beyond_the_vocabulary() -> Corpus:
         ({"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.tensor([[0, 0, 0], [1, 1, 1]])},
          ValueError, "attention_mask leaves row 0 without a token"),
     ],
-    ids=["temperature", "top-p", "eos-float", "eos-string", "eos-negative", "pad", "window", "corpus-type",
+    ids=["temperature", "top-p", "eos-float", "eos-string", "eos-negative", "pad", "corpus-type",
          "corpus-vocabulary", "no-prompt", "text-prompt", "proposer", "empty-row"],
 )
 def test_bad_options_are_refused_before_any_work(llama_tiny, tmp_path, monkeypatch, kwargs, error, message):

@@ -422,6 +422,18 @@ def test_an_engine_thread_that_dies_answers_every_request_and_fails_health(defau
         assert raw(f"{url}/health") == (503, {"status": "engine stopped"})
 
 
+def test_the_bearer_scheme_is_case_insensitive_and_blank_keys_are_refused(server, default_model):
+    url, _ = server
+    request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"bearer {KEYS[0]}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert json.loads(response.read())["data"][0]["id"] == MODEL
+    assert raw(f"{url}/v1/models", key="")[0] == 401
+    model, tokenizer = default_model
+    for key in ("", " key-a", "key a"):  # "" would let requests without a key in
+        with pytest.raises(ValueError, match="an API key must be a non-empty string without spaces"):
+            create_app(model, tokenizer, api_keys=("key-b", key))
+
+
 def test_a_wrong_api_key_is_refused_before_the_body_is_read(server):
     url, _ = server
     with pytest.raises(openai.AuthenticationError):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from lookahead.serve import _Reply
 
 
@@ -44,3 +47,40 @@ def test_a_reply_cut_by_a_stop_string_counts_the_tokens_up_to_the_one_that_compl
     reply = _Reply(_Pieces(), ["n >"])
     reply.add([0, 1, 2, 3, 4], finished=True)
     assert not reply.stopped and reply.tokens == 5
+
+
+class _Texts:
+    """A tokenizer whose token i decodes to TEXTS[i]."""
+
+    TEXTS = ["Answer: 42", "\n", "\n\n", "###", " Next", "#", "a"]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.TEXTS[i] for i in ids)
+
+
+def _reply_in_steps(ids: list[int], cuts: list[int], stops: list[str]) -> tuple[str, bool, int]:
+    reply = _Reply(_Texts(), stops)
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(ids))), len(ids)]
+    steps = [ids[a:b] for a, b in zip(bounds, bounds[1:])]
+    text = ""
+    for index, tokens in enumerate(steps):
+        text += reply.add(tokens, finished=index == len(steps) - 1)
+        if reply.stopped:
+            break
+    return text, reply.stopped, reply.tokens
+
+
+def test_several_stop_strings_cut_where_the_first_to_complete_does_however_the_tokens_arrive():
+    """An earlier-listed stop string that starts later in the text must not cut first: one that completed before
+    it is what ends the reply (text and usage), as when tokens arrive one a step."""
+    ids, stops = [0, 2, 3, 4], ["\n###", "\n\n"]
+    assert _reply_in_steps(ids, [1, 2, 3], stops) == ("Answer: 42", True, 2)
+    assert _reply_in_steps(ids, [], stops) == ("Answer: 42", True, 2)
+    assert _reply_in_steps(ids, [2], stops) == ("Answer: 42", True, 2)
+
+
+@given(ids=st.lists(st.integers(0, len(_Texts.TEXTS) - 1), max_size=12),
+       cuts=st.lists(st.integers(0, 12), max_size=6),
+       stops=st.lists(st.sampled_from(["\n###", "\n\n", "##", "# N", "a\n", "Next", "42\n"]), max_size=3))
+def test_a_reply_is_the_same_however_its_tokens_are_grouped_into_steps(ids, cuts, stops):
+    assert _reply_in_steps(ids, cuts, stops) == _reply_in_steps(ids, list(range(len(ids))), stops)

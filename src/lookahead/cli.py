@@ -53,7 +53,7 @@ DtypeOption = Annotated[str, typer.Option("--dtype", help=(
 TopKOption = Annotated[Optional[int], typer.Option(help="Sampling: keep the k likeliest tokens (0: all).")]
 TopPOption = Annotated[Optional[float], typer.Option(help="Sampling: nucleus mass in (0, 1].")]
 CppWrapperOption = Annotated[bool, typer.Option("--cpp-wrapper", help="Compile (implies --compile) with the code that calls the kernels in C++: a few % faster steps, compiles up to 9x longer (cached on disk).")]
-SeedOption = Annotated[int, typer.Option(help="Seed for sampling.")]
+SeedOption = Annotated[int, typer.Option(min=-2**63, max=2**64 - 1, help="Seed for sampling.")]  # torch's range
 
 
 def _fail(message: str) -> NoReturn:
@@ -244,7 +244,10 @@ def _parse_config(text: str) -> LookaheadConfig:
         if not width.strip().isdigit():
             raise typer.BadParameter(f"expected auto:W with W an integer >= 0 (the most window columns), got "
                                      f"{text!r}", param_hint="--config")
-        return dataclasses.replace(AUTO_CONFIG, window=int(width))  # what the window adds, measured against auto
+        try:  # what the window adds, measured against auto
+            return dataclasses.replace(AUTO_CONFIG, window=int(width))
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="--config") from error
     parts = text.split(",")
     if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
         raise typer.BadParameter(f"expected W,N,G (three integers), auto or auto:W, got {text!r}",

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The window's rows (with the last token) stay below this: they take at most half of a step, drafts the rest.
+WINDOW_ROWS_BELOW = 128
+
 
 @dataclass(frozen=True)
 class LookaheadConfig:
@@ -45,6 +48,9 @@ class LookaheadConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LookaheadConfig.{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("seed", self.seed, 0, "an integer >= 0")
+        if 1 + self.window * self.levels > WINDOW_ROWS_BELOW:
+            raise ValueError(f"the window of {self.window} x {self.levels} rows is too large for one step; "
+                             f"window x (ngram - 1) must be below {WINDOW_ROWS_BELOW}")
 
     @property
     def levels(self) -> int:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed
 from transformers import LogitsProcessor, PreTrainedModel
 
-from .config import AUTO_CONFIG, LookaheadConfig
+from .config import AUTO_CONFIG, WINDOW_ROWS_BELOW, LookaheadConfig
 from .core.decoder import NO_PROPOSAL, LookaheadDecoder, StepPlan
 from .core.drafter import AcceptanceStats, node_counts
 from .core.drafts import Proposer
@@ -33,8 +33,8 @@ from .runtime.batch import StepInput, causal_step, pack_steps
 from .sampling import DecodingOptions, check_decoding_options, decoding_rule
 
 # Rows a step may feed per sequence beyond its committed tokens: the store keeps this much room past
-# `max_length` so that every step, padding included, is written in place.
-STEP_ROOM = 256
+# `max_length` so that every step, padding included, is written in place: the window's rows and as many drafts.
+STEP_ROOM = 2 * WINDOW_ROWS_BELOW
 TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)  # what token ids may come in
 _ACCEPTANCE: weakref.WeakKeyDictionary[PreTrainedModel, dict[bool, AcceptanceStats]] = weakref.WeakKeyDictionary()
 
@@ -537,9 +537,6 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
     config = AUTO_CONFIG if params.config is None else params.config
     if not isinstance(config, LookaheadConfig):
         raise TypeError(f"config must be a LookaheadConfig or None, got {type(config).__name__}")
-    if 1 + config.window * config.levels > STEP_ROOM // 2:
-        raise ValueError(f"the window of {config.window} x {config.levels} rows is too large for one step; "
-                         f"window x (ngram - 1) must be below {STEP_ROOM // 2}")
     if params.corpus is not None:
         if not isinstance(params.corpus, Corpus):
             raise TypeError(f"corpus must be a lookahead Corpus or None, got {type(params.corpus).__name__}")

@@ -337,10 +337,10 @@ class EngineLoop:
 
     def _serve(self) -> None:
         while not self._stopped:
+            while self._ended:  # first: the slots of requests that ended are free for those arriving
+                self._end(*self._ended.popleft())
             while self._added:
                 self._admit(*self._added.popleft())
-            while self._ended:
-                self._end(*self._ended.popleft())
             busy = self.engine.has_unfinished()
             try:
                 outputs = self.engine.step() if busy else []
@@ -419,6 +419,9 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     request must carry one (`Authorization: Bearer KEY`); each key has a corpus of its own (the suffix
     and recycle sources draft from earlier requests of the same key, never of another one). compile: as in `generate`;
     the step shapes compile before the app is returned (`Engine.warm_up`: minutes on a small CPU)."""
+    for key in api_keys:  # a blank key would let requests without one in; a padded one could never match
+        if not isinstance(key, str) or not key or key != key.strip() or " " in key:
+            raise ValueError(f"an API key must be a non-empty string without spaces, got {key!r}")
     engine = Engine(model, max_batch=max_batch, max_length=max_length, compile=compile)
     engine.warm_up()  # compiled steps: their shapes compile now, not during the first requests
     runner = EngineLoop(engine, max_queue)
@@ -440,11 +443,11 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     def authorise(request: Request) -> str | None:
         if not api_keys:
             return None
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if given not in api_keys:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or given.strip() not in api_keys:
             raise APIError(401, "invalid API key: pass one of the server's --api-key values as a Bearer token",
                            kind="authentication_error")
-        return given
+        return given.strip()
 
     def served(model_id: str) -> None:
         if model_id != model_name:
@@ -697,17 +700,21 @@ class _Reply:
         before = len(self.ids)
         self.ids.extend(tokens)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for stop in self.stops:
-            at = text.find(stop)
-            if at >= 0:
-                text, self.stopped = text[:at], True
-        if self.stopped and self._through_stop is None:  # completed by one of these tokens (none before did)
-            self._through_stop = next(n for n in range(before + 1, len(self.ids) + 1) if any(
-                stop in self.tokenizer.decode(self.ids[:n], skip_special_tokens=True) for stop in self.stops))
-        if not (self.stopped or finished):
+        if not self.stopped and any(stop in text for stop in self.stops):  # completed by one of these tokens
+            self._through_stop = next(n for n in range(before + 1, len(self.ids) + 1) if self._cut(n) is not None)
+            self.stopped = True
+        if self.stopped:  # as if the tokens had come one at a time: cut where the first to complete does
+            text = self._cut(self._through_stop)
+        elif not finished:
             if text.endswith("\ufffd"):
                 return ""
             started = max((k for stop in self.stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
             text = text[:len(text) - started]
         piece, self.sent = text[len(self.sent):], text
         return piece
+
+    def _cut(self, count: int) -> str | None:
+        """The text of the first `count` tokens up to the earliest stop string in it; None if it has none."""
+        text = self.tokenizer.decode(self.ids[:count], skip_special_tokens=True)
+        found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
+        return text[:min(found)] if found else None
