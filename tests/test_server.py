@@ -189,12 +189,14 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
         ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 0}, 400, "not supported", "logprobs"),
         ("completions", {"model": MODEL, "prompt": "hi", "suffix": "bye"}, 400, "not supported", "suffix"),
         ("completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "not supported", "best_of"),
+        ("completions", {"model": MODEL, "prompt": "hi", "max_completion_tokens": 5}, 400, "text completions take "
+         "max_tokens", "max_completion_tokens"),
     ],
     ids=["no-messages", "messages-not-a-list", "n=2", "negative-max-tokens", "unknown-model", "oversized-messages",
          "oversized-prompt", "max-tokens-past-max-length", "max-completion-tokens-past-max-length", "bad-lookahead",
          "seed-past-64-bits", "stream-options-without-stream", "user-content-null", "image-part", "logprobs",
          "top-logprobs", "tools", "tool-choice", "json-response-format", "presence-penalty", "echo",
-         "completion-logprobs", "suffix", "best-of"],
+         "completion-logprobs", "suffix", "best-of", "completion-max-completion-tokens"],
 )
 def test_bad_requests_get_openai_errors_naming_the_field_and_the_server_keeps_serving(server, path, body, status,
                                                                                      words, param):

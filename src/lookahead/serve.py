@@ -141,6 +141,12 @@ class CompletionRequest(_Common):
         **_Common.UNSUPPORTED, "echo": (False,), "logprobs": (), "suffix": ("",), "best_of": (1,)}
     PROMPT_FIELD: ClassVar[str] = "prompt"
 
+    def refuse_unsupported(self) -> None:
+        if (self.model_extra or {}).get("max_completion_tokens") is not None:  # else silently no cap at all
+            raise APIError(400, "max_completion_tokens is a field of chat completions; text completions take "
+                                "max_tokens", "max_completion_tokens")
+        super().refuse_unsupported()
+
     def prompt_ids(self, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
         return tokenizer(self.prompt, return_tensors="pt")["input_ids"][0]
 
