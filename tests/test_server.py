@@ -436,6 +436,44 @@ def test_the_bearer_scheme_is_case_insensitive_and_blank_keys_are_refused(server
             create_app(model, tokenizer, api_keys=("key-b", key))
 
 
+def test_a_slot_freed_while_a_step_runs_is_free_for_a_request_that_arrived_meanwhile(default_model, monkeypatch):
+    """One slot, no queue: while a step runs (held here), the client holding the slot leaves and another
+    request arrives; between steps the engine frees the slot first, so the newcomer is decoded, not refused
+    with a 429."""
+    model, tokenizer = default_model
+    app = create_app(model, tokenizer, model_name=MODEL, max_batch=1, max_queue=0, max_length=512, api_keys=KEYS)
+    with serve_in_thread(app) as url:
+        loop = app.state.engine_loop
+        step, holding, stepping, release = loop.engine.step, threading.Event(), threading.Event(), threading.Event()
+
+        def held_step():
+            if holding.is_set():
+                stepping.set()
+                release.wait(60)
+            return step()
+
+        monkeypatch.setattr(loop.engine, "step", held_step)
+        stream = client(url).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell a very long story."}], max_tokens=400,
+            stream=True)
+        chunks = iter(stream)
+        while not next(chunks).choices[0].delta.content:
+            pass
+        holding.set()
+        assert stepping.wait(60)  # a step of the first request is in progress
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            stream.close()
+            loop.abort(loop.engine.running_ids()[0])  # its disconnect, as the server notices it
+            second = pool.submit(lambda: client(url).chat.completions.create(model=MODEL, messages=HI, max_tokens=2,
+                                                                             temperature=0))
+            deadline = time.monotonic() + 60
+            while not loop._added and time.monotonic() < deadline:
+                time.sleep(0.01)
+            holding.clear()
+            release.set()
+            assert second.result(timeout=120).usage.completion_tokens == 2
+
+
 def test_a_wrong_api_key_is_refused_before_the_body_is_read(server):
     url, _ = server
     with pytest.raises(openai.AuthenticationError):
