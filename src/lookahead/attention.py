@@ -40,7 +40,7 @@ def stacked_heads_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     if not ours or not _stacks(group, attention_mask, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    return _stacked_attention(query, key, value, _repeated(attention_mask, group), dropout, scaling), None
+    return _stacked_attention(query, key, value, _masks(attention_mask, group)[0], dropout, scaling), None
 
 
 def _stacks(group: int, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
@@ -52,7 +52,7 @@ def _stacks(group: int, attention_mask: torch.Tensor | None, kwargs: dict) -> bo
 def _stacked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, repeated_mask: torch.Tensor,
                        dropout: float, scaling: float | None) -> torch.Tensor:
     """SDPA with each key/value head's query heads stacked as rows; `repeated_mask`: the mask's rows repeated
-    for each head of a group (`_repeated`)."""
+    for each head of a group (`_masks`)."""
     batch, heads, rows, dim = query.shape
     stacked = query.reshape(batch, key.shape[1], -1, dim)  # row i * Q + q: head i of the group, row q
     out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=repeated_mask,
@@ -125,7 +125,7 @@ def _ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     heads, dim = query.shape[1], query.shape[3]
     group = heads // key.shape[1]
     stacks = _stacks(group, attention_mask, kwargs)
-    masks = _part_masks(layout, attention_mask, group if stacks else 1)
+    masks = _masks(attention_mask, group if stacks else 1, layout)
     flat = torch.cat([query[0].transpose(0, 1), query.new_zeros(1, heads, dim)])  # [N + 1, heads, D]
     out = query.new_empty(layout.count, heads, dim)
     for part, mask in zip(layout.parts, masks):
@@ -143,20 +143,6 @@ def _ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         else:
             out[part.rows.view(-1)[part.real]] = result[part.real]
     return out.unsqueeze(0), None
-
-
-def _part_masks(layout: RaggedLayout, attention_mask: torch.Tensor, group: int) -> list[torch.Tensor]:
-    """Each part's rows and key columns of the mask, repeated for each head of a group: every layer of a
-    forward gets the same mask, so eagerly they are cut once a forward (per layer, 20 us a part: 8 sequences,
-    three of them taller, spent 2.5 ms of a 41 ms step so; session 31)."""
-    cached = getattr(_THREAD, "part_masks", None)  # (layout, mask, group, masks) of this thread's last forward
-    if cached is not None and cached[0] is layout and cached[1] is attention_mask and cached[2] == group:
-        return cached[3]
-    masks = [attention_mask[part.sequences, :, part.mask_rows, :part.keys] for part in layout.parts]
-    if group > 1:
-        masks = [mask.repeat(1, 1, group, 1) for mask in masks]
-    _THREAD.part_masks = (layout, attention_mask, group, masks)
-    return masks
 
 
 @contextmanager
@@ -193,20 +179,30 @@ def routes(model: PreTrainedModel) -> bool:
     return model.device.type == "cpu" and loaded_attention(model.config.get_text_config(decoder=True)) == "sdpa"
 
 
-_REPEATED: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id(mask) -> (mask, group, repeated)
+# (id(mask), id(layout)) -> (mask, layout, group, masks): what `_masks` made for the forward in progress
+_MASKS: dict[tuple[int, int], tuple[torch.Tensor, RaggedLayout | None, int, list[torch.Tensor]]] = {}
 
 
-def _repeated(mask: torch.Tensor, group: int) -> torch.Tensor:
-    """The mask's rows repeated for each head of a group, [B, 1, group * Q, L]; every layer of a forward gets
-    the same mask, so eagerly it is built once (the entry keeps the mask alive: its id is not reused)."""
+def _masks(mask: torch.Tensor, group: int, layout: RaggedLayout | None = None) -> list[torch.Tensor]:
+    """The mask's rows repeated for each head of a group, [B, 1, group * Q, L]: the whole mask, or for a ragged
+    forward each part's sequences, rows and key columns of it. Every layer of a forward gets the same mask, so
+    eagerly they are made once a forward (cut and repeated once a layer, a part's took 20 us: 8 sequences,
+    three of them taller, spent 2.5 ms of a 41 ms step so; session 31). An entry keeps its mask and layout
+    alive, so their ids are not reused."""
+
+    def made() -> list[torch.Tensor]:
+        cuts = [mask] if layout is None else [mask[part.sequences, :, part.mask_rows, :part.keys]
+                                              for part in layout.parts]
+        return [cut.repeat(1, 1, group, 1) for cut in cuts] if group > 1 else cuts
+
     if torch.compiler.is_compiling():
-        return mask.repeat(1, 1, group, 1)
-    entry = _REPEATED.get(id(mask))
-    if entry is None or entry[1] != group:
-        if len(_REPEATED) >= 4:  # a forward's masks (two with sliding-window layers); older ones are done
-            _REPEATED.clear()
-        entry = _REPEATED[id(mask)] = (mask, group, mask.repeat(1, 1, group, 1))
-    return entry[2]
+        return made()
+    entry = _MASKS.get((id(mask), id(layout)))
+    if entry is None or entry[2] != group:
+        if len(_MASKS) >= 4:  # a forward's masks (two with sliding-window layers); older ones are done
+            _MASKS.clear()
+        entry = _MASKS[id(mask), id(layout)] = (mask, layout, group, made())
+    return entry[3]
 
 
 AttentionInterface.register(NAME, stacked_heads_attention)
@@ -239,7 +235,7 @@ def stacked_heads(model: PreTrainedModel) -> Iterator[None]:
         with _on_this_thread("ours", True):
             yield
     finally:
-        _REPEATED.clear()
+        _MASKS.clear()
         with _SWITCH:
             entry[1] -= 1
             if entry[1] == 0:

@@ -1,4 +1,5 @@
-"""A/B in one process, alternating forward by forward (medians of 120 each): ragged forwards of 8 sequences over 300 cached positions with each part's mask cut and
+"""(Ran at commit 9dce76f, whose `attention._part_masks` it swaps; later the mask caches became one, `_masks`.)
+A/B in one process, alternating forward by forward (medians of 120 each): ragged forwards of 8 sequences over 300 cached positions with each part's mask cut and
 repeated once a forward (new) or once a layer (old: the cache emptied before every use)."""
 import torch
 torch.set_num_threads(2)

@@ -130,8 +130,8 @@ BYTES_PER_TOKEN = 600
 class Corpus:
     """Text shared across `generate` calls, so that a request drafts from earlier requests' prompts and
     outputs (the same document, the same codebase). Bounded: past `max_megabytes` the oldest documents
-    are dropped first, down to three quarters of the cap. Documents are kept apart by separators, so no match crosses two of them.
-    `successors`: the model's predictions after each token, shared the same way by the recycle source
+    are dropped first, down to three quarters of the cap. Documents are kept apart by separators, so no
+    match crosses two of them. `successors`: the model's predictions after each token, shared the same way by the recycle source
     (one entry per vocabulary token at most, outside the cap)."""
 
     KEPT_AFTER_EVICTION = 0.75
