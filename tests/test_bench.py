@@ -104,6 +104,20 @@ def test_bench_corpus_on_a_tiny_model(tiny_dir):
     assert all(row.rstrip(" |").endswith("True") for row in rows)  # the corpus never changes a greedy output
 
 
+def test_bench_corpus_retry_drafts_the_second_reply_from_the_first(tiny_dir):
+    result = run("bench", "corpus", "--model", tiny_dir, "--limit", "2", "--max-new-tokens", "24", "--chars", "300",
+                 "--pair", "retry")
+    assert result.returncode == 0, result.stderr
+    cells = [line.strip("| ").split(" | ") for line in result.stdout.splitlines() if line.startswith("| all |")][0]
+    first, alone, shared = map(float, cells[1:4])
+    assert shared > alone and cells[-1] == "True", result.stdout  # the same reply, drafted from the corpus
+
+
+def test_bench_corpus_refuses_an_unknown_pair(tiny_dir):
+    result = run("bench", "corpus", "--model", tiny_dir, "--pair", "twice")
+    assert result.returncode == 2 and "--pair" in result.stderr and "summaries, retry" in result.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

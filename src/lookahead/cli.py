@@ -21,7 +21,7 @@ from transformers.utils import logging as hf_logging
 
 from .baseline import hf_generate
 from .bench.batch import batch_runs, batch_table
-from .bench.corpus import corpus_runs, corpus_table
+from .bench.corpus import PAIRS, corpus_runs, corpus_table
 from .bench.cost import sweep
 from .bench.report import (
     divergence_table, drafts_line, fit_log_line, profile_line, summary_table, write_batch, write_benchmark, write_cost,
@@ -508,17 +508,20 @@ def corpus_command(
     limit: Annotated[int, typer.Option(min=1, help="Spec-Bench summarization articles.")] = 5,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
     chars: Annotated[int, typer.Option(min=100, help="Characters of each article kept.")] = 1500,
+    pair: Annotated[str, typer.Option(help=f"The two requests: {' or '.join(PAIRS)} (the same request twice).")] = "summaries",
     model: ModelOption = None,
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
     threads: ThreadsOption = None,
 ) -> None:
-    """Two differently worded requests over each article: the second with and without a corpus shared
-    with the first (tokens/step; greedy outputs must not change)."""
+    """Two requests over each article (differently worded, or the same twice): the second with and without
+    a corpus shared with the first (tokens/step; greedy outputs must not change)."""
+    if pair not in PAIRS:
+        raise typer.BadParameter(f"one of {', '.join(PAIRS)}, got {pair!r}", param_hint="--pair")
     articles = [p for p in load_workload("spec_bench") if p.category == "summarization"][:limit]
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     documents = {p.id: p.turns[0].removeprefix("Summarize: ")[:chars] for p in articles}
-    print(corpus_table(corpus_runs(lm, tokenizer, documents, max_new_tokens)))
+    print(corpus_table(corpus_runs(lm, tokenizer, documents, max_new_tokens, pair)))
 
 
 @bench_app.command("serve")

@@ -10,7 +10,13 @@ from ..core.suffix import Corpus
 from ..generation import GenerationStats, generate
 from ..prompts import encode_prompt
 
-INSTRUCTIONS = ("Summarize this article in two sentences.", "Give a short summary of the article.")
+# The two requests over each document: differently worded (the replies share little text beyond the
+# document's own), or the same request again (a client's retry, another user asking the same: with greedy
+# decoding the second reply is the first one, all of it in the corpus).
+PAIRS = {
+    "summaries": ("Summarize this article in two sentences.", "Give a short summary of the article."),
+    "retry": ("Summarize this article in two sentences.",) * 2,
+}
 
 
 @dataclass(frozen=True)
@@ -23,11 +29,14 @@ class CorpusRun:
 
 
 def corpus_runs(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, documents: dict[str, str], max_new_tokens: int
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, documents: dict[str, str], max_new_tokens: int,
+    pair: str = "summaries",
 ) -> list[CorpusRun]:
+    if pair not in PAIRS:
+        raise ValueError(f"pair must be one of {', '.join(PAIRS)}, got {pair!r}")
     runs = []
     for name, text in documents.items():
-        first_ids, second_ids = (encode_prompt(tokenizer, f"{instruction}\n\n{text}") for instruction in INSTRUCTIONS)
+        first_ids, second_ids = (encode_prompt(tokenizer, f"{instruction}\n\n{text}") for instruction in PAIRS[pair])
         corpus = Corpus()
         first = generate(model, first_ids, max_new_tokens=max_new_tokens, corpus=corpus)
         shared = generate(model, second_ids, max_new_tokens=max_new_tokens, corpus=corpus)
