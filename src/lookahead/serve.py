@@ -59,7 +59,10 @@ class APIError(Exception):
 
 class _Body(BaseModel):
     """An object of a request body. An explicit null means the field's default, as in OpenAI's API (its
-    client sends null for options left unset)."""
+    client sends null for options left unset). Strict: a value of the wrong JSON type is refused, not
+    converted ("yes" is no boolean, true no number, 2.0 no count)."""
+
+    model_config = ConfigDict(strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -90,6 +93,11 @@ class _Common(_Body):
     stream_options: StreamOptions | None = None
     # Our extension: "auto" (the default), "off", or {"window": W, "ngram": N, "guesses": G}.
     lookahead: str | dict[str, int] = "auto"
+
+    # What a field of several types may be, for the message when a value is none of them.
+    UNIONS: ClassVar[dict[str, str]] = {
+        "stop": "a string or a list of strings",
+        "lookahead": '"auto", "off" or an object of integers {"window": W, "ngram": N, "guesses": G}'}
 
     # OpenAI's fields that this server does not implement, each with the values that ask for nothing more
     # than what it does (the first one is the one to suggest).
@@ -191,6 +199,9 @@ async def _parse(request: Request, schema: type[RequestBody]) -> RequestBody:
         return schema.model_validate(data)
     except ValidationError as error:
         first = error.errors()[0]
+        field = first["loc"][0] if first["loc"] else None
+        if field in schema.UNIONS:  # pydantic names each type it tried (stop.str): say what the field may be
+            raise APIError(400, f"{field} must be {schema.UNIONS[field]}", field) from error
         where = _field_path(first["loc"])
         raise APIError(400, f"{where or 'the request body'}: {first['msg']}", where or None) from error
 
