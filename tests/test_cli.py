@@ -46,6 +46,22 @@ def test_generate_compare_json(default_model, prompt, options):
     assert report["baseline_seconds"] > 0 and report["seconds"] > 0
 
 
+def test_generate_stop_ends_the_reply_as_model_generate_does(default_model):
+    prompt = ("Repeat this text exactly, twice: The small coastal town was abuzz with laughter, and the smell of "
+              "saltwater filled the evening air as the fishing boats came home.")
+    result = run_cli("generate", prompt, "--stop", "fishing bo", "--stop", "zebra qq", "--compare", "--json",
+                     "--max-new-tokens", "48")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["identical"] is True  # model.generate got the same stop strings
+    assert report["text"].endswith("the fishing boats") and report["new_tokens"] < 48  # the token with "bo" kept
+
+
+def test_generate_refuses_an_empty_stop_string():
+    result = run_cli("generate", "hi", "--stop", "")
+    assert result.returncode == 2 and "--stop" in result.stderr and "must not be empty" in result.stderr
+
+
 @pytest.mark.slow
 def test_installed_script_streams_text_then_summary():
     # One thread, as each test worker runs: the script then reads the cost curve the workers measured (the

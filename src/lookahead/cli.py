@@ -124,6 +124,7 @@ def generate_command(
     top_p: TopPOption = None,
     repetition_penalty: Annotated[Optional[float], typer.Option(help="> 0; 1 is none.")] = None,
     seed: SeedOption = 0,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="End the reply at the first token that completes this string, the string kept (generate's stop_strings); repeat for several.")] = None,
     workers: Annotated[int, typer.Option(min=1, help="Processes that share each step (lookahead parallelism over gloo; a fixed W,N,G).")] = 1,
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads per process (default: torch's choice; with --workers, the cores shared out).")] = None,
     tensor_parallel: Annotated[bool, typer.Option("--tensor-parallel", help="Under torchrun: split the model's weights across the processes (transformers' tp_plan='auto') and decode as one process.")] = False,
@@ -141,6 +142,8 @@ def generate_command(
     if not prompt:
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty)
+    if stop is not None and not all(stop):
+        raise typer.BadParameter("a stop string must not be empty", param_hint="--stop")
     launched = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes
     if tensor_parallel:
         if dtype in QUANTISED_WEIGHTS:
@@ -155,7 +158,7 @@ def generate_command(
     elif workers > 1 or launched > 1:
         if workers > 1 and launched > 1:
             raise typer.BadParameter("torchrun started the processes already; drop --workers", param_hint="--workers")
-        for given, option in ((compare, "--compare"), (compile, "--compile/--cpp-wrapper")):
+        for given, option in ((compare, "--compare"), (compile, "--compile/--cpp-wrapper"), (stop, "--stop")):
             if given:
                 raise typer.BadParameter(f"{option} runs in one process; drop --workers", param_hint=option)
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads if workers == 1 else None, tensor_parallel)
@@ -183,14 +186,16 @@ def generate_command(
                   f"{stats.tokens_per_second:.1f} tokens/s, {max(workers, launched)} processes]")
         return
 
+    stops = {"stop_strings": stop, "tokenizer": tokenizer} if stop else {}
+
     def ours(tokens: int, streamer=None):
         generator = torch.Generator().manual_seed(seed)
         return generate(lm, input_ids, max_new_tokens=tokens, config=config, streamer=streamer, generator=generator,
-                        compile=compile, **sampling)
+                        compile=compile, **sampling, **stops)
 
     def theirs(tokens: int):
         torch.manual_seed(seed)
-        return hf_generate(lm, input_ids, max_new_tokens=tokens, **sampling)
+        return hf_generate(lm, input_ids, max_new_tokens=tokens, **sampling, **stops)
 
     if compare:  # warm both paths up so that neither pays one-off costs in the timed run
         ours(2)

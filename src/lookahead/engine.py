@@ -14,7 +14,7 @@ import numbers
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +53,8 @@ def acceptance_stats(model: PreTrainedModel, sampling: bool = False) -> Acceptan
     return by_rule.setdefault(sampling, AcceptanceStats())
 
 
+# A transformers StoppingCriteria: (input_ids [B, n], scores) -> a bool per row.
+StoppingCriterion = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 STEP_HISTORY = 1 << 16  # steps whose accepted tokens an engine's own stats keep (`Engine.stats`)
 
 
@@ -105,7 +107,10 @@ class RequestParams:
     the model's generation config). seed: this request's own sampling generator, so that its output does
     not depend on what else is in the batch (or pass `generator`). config None: `AUTO_CONFIG`.
     corpus: text shared with other requests for the suffix and recycle sources; the request's prompt and
-    output are added to it when it finishes. proposers: more draft sources, owned by this request."""
+    output are added to it when it finishes. proposers: more draft sources, owned by this request.
+    stopping_criteria: transformers `StoppingCriteria` (e.g. `StopStringCriteria`), each called as `generate`
+    calls it, on the prompt and the new tokens so far ([1, n]; `scores` None), after every new token: the
+    request ends at the first token for which one says True, that token kept."""
 
     max_new_tokens: int = 128
     config: LookaheadConfig | None = None
@@ -120,6 +125,7 @@ class RequestParams:
     generator: torch.Generator | None = None
     corpus: Corpus | None = None
     proposers: Sequence[Proposer] = ()
+    stopping_criteria: Sequence[StoppingCriterion] = ()
 
     def decoding(self, generator: torch.Generator | None) -> DecodingOptions:
         """This request's decoding options, drawing from `generator`."""
@@ -148,6 +154,7 @@ class _Request:
     slot: int = -1
     prefilled: int = 0  # prompt tokens in the KV store; all but the last before decoding starts
     generated: list[int] = field(default_factory=list)
+    text: torch.Tensor | None = None  # [1, prompt + max_new_tokens]: the prompt, then the new tokens (for criteria)
 
     @property
     def decoding(self) -> bool:
@@ -315,12 +322,12 @@ class Engine:
             pick = batch.picks[row]
             try:
                 result = request.decoder.update(plan, logits[row] if pick is None else logits[row, pick.to(logits.device)])
-            except Exception as error:  # noqa: BLE001 - its own decoding rule (a user's processor) failed: it alone ends
+                tokens, finished = self._stop(request, result.tokens)
+            except Exception as error:  # noqa: BLE001 - its own rules (a user's processor or criterion) failed: it alone ends
                 failed[request.id] = error
                 outputs.append([request, [], True])
                 continue
             committed += len(result.tokens)
-            tokens, finished = self._stop(request, result.tokens)
             request.stats.steps += 1
             request.stats.tokens_fed += plan.layout.size
             request.stats.accepted_per_step.append(len(tokens))
@@ -381,9 +388,21 @@ class Engine:
         return self._costs[1 << (batch.bit_length() - 1)]
 
     def _stop(self, request: _Request, tokens: list[int]) -> tuple[list[int], bool]:
-        """The tokens the request keeps (up to its stop token or its length) and whether it is done."""
+        """The tokens the request keeps (up to its stop token, its length or the first token a stopping
+        criterion stops at) and whether it is done."""
         tokens, finished = kept_tokens(tokens, request.params.max_new_tokens - len(request.generated),
                                        request.stop_ids)
+        if request.params.stopping_criteria:
+            if request.text is None:
+                request.text = torch.empty(1, request.prompt.numel() + request.params.max_new_tokens, dtype=torch.long)
+                request.text[0, : request.prompt.numel()] = request.prompt
+            end = request.prompt.numel() + len(request.generated)
+            request.text[0, end : end + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            for count in range(1, len(tokens) + 1):  # as generate checks them: after each token
+                if any(bool(criterion(request.text[:, : end + count], None).any())
+                       for criterion in request.params.stopping_criteria):
+                    tokens, finished = tokens[:count], True
+                    break
         request.generated.extend(tokens)
         return tokens, finished
 
@@ -550,6 +569,9 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {params.seed!r}")
         if params.generator is not None:
             raise ValueError("give a request seed or a generator, not both")
+    if isinstance(params.stopping_criteria, (str, bytes)) or not all(map(callable, params.stopping_criteria)):
+        raise TypeError("stopping_criteria must be a list of transformers StoppingCriteria (callables of "
+                        "(input_ids, scores) returning a bool tensor)")
     if not all(callable(getattr(p, "propose", None)) and callable(getattr(p, "observe", None))
                for p in params.proposers):
         raise TypeError("proposers must be draft sources with propose(text, limit) and observe(text, new) "

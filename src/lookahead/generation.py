@@ -8,13 +8,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessor, PreTrainedModel
+from transformers import LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria
 
 from .config import LookaheadConfig
 from .core.drafts import Proposer
 from .core.suffix import Corpus
 from .engine import (Engine, GenerationStats, RequestParams, as_token_tensor, check_params, check_request, eos_ids,
-                     pad_id)
+                     StoppingCriterion, pad_id)
 
 
 @dataclass
@@ -43,6 +43,9 @@ def generate(
     corpus: Corpus | None = None,
     proposers: Sequence[Proposer] = (),
     pad_token_id: int | None = None,
+    stop_strings: str | Sequence[str] | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    stopping_criteria: Sequence[StoppingCriterion] | None = None,
 ) -> GenerateOutput:
     """Decoding with lookahead. Greedy (the default) gives `model.generate(do_sample=False)`'s output token
     for token; sampling (`do_sample=True`) draws from the same distribution as `model.generate(do_sample=True)`
@@ -64,7 +67,10 @@ def generate(
     more draft sources (`lookahead.core.drafts.Proposer`), merged into the same tree (one prompt only: a
     proposer keeps one sequence's state). eos_token_id: one id or several; None takes the model's generation
     config. pad_token_id: what fills a sequence after it stops; None: the model's pad token, else the first stop
-    token (as `generate`). streamer: any transformers streamer (one prompt only); it gets the prompt, then every
+    token (as `generate`). stop_strings (None: the model's generation config's), with the model's `tokenizer`,
+    and stopping_criteria (transformers `StoppingCriteria`; `scores` reach them as None): as in `generate`, a
+    sequence ends at the first token that completes a stop string or that a criterion stops at, that token
+    kept (`RequestParams.stopping_criteria`). streamer: any transformers streamer (one prompt only); it gets the prompt, then every
     committed token. packed_linear: run the model's linear layers in eager steps on prepacked weights (CPU:
     MKL's for float32, oneDNN's for float32 or bfloat16; None: the packer and the step sizes that measured
     faster on this machine); see `hf.PackedLinears`. compile: run decoding steps through `torch.compile` of the
@@ -80,8 +86,9 @@ def generate(
     compile="cpp-wrapper": the same with the code that calls the compiled kernels in C++ rather than Python
     (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """
+    criteria = _stopping_criteria(model, stop_strings, tokenizer, stopping_criteria)
     params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
-                           repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers))
+                           repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers), criteria)
     check_params(model, params)
     pad = pad_id(model, eos_token_id) if pad_token_id is None else pad_token_id
     if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
@@ -128,6 +135,26 @@ def generate(
         new = torch.tensor([output + [pad] * (width - len(output)) for output in outputs], dtype=torch.long)
         sequences = torch.cat([layout, new.view(len(outputs), width)], dim=1)
     return GenerateOutput(sequences, stats)
+
+
+def _stopping_criteria(model: PreTrainedModel, stop_strings: str | Sequence[str] | None,
+                       tokenizer: PreTrainedTokenizerBase | None,
+                       criteria: Sequence[StoppingCriterion] | None) -> tuple[StoppingCriterion, ...]:
+    """The criteria a call stops by: the caller's, then one for the stop strings, as `generate` builds them."""
+    if isinstance(criteria, (str, bytes)) or not isinstance(criteria, (Sequence, type(None))):
+        raise TypeError(f"stopping_criteria must be a list of transformers StoppingCriteria or None, got "
+                        f"{type(criteria).__name__}")
+    criteria = tuple(criteria or ())
+    if stop_strings is None:
+        stop_strings = getattr(getattr(model, "generation_config", None), "stop_strings", None)
+    if stop_strings is None:
+        return criteria
+    stops = [stop_strings] if isinstance(stop_strings, str) else stop_strings
+    if not isinstance(stops, Sequence) or not stops or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop_strings must be a non-empty string or a non-empty list of them, got {stop_strings!r}")
+    if tokenizer is None:
+        raise ValueError("stop_strings need the model's tokenizer: pass tokenizer= too (as generate does)")
+    return (*criteria, StopStringCriteria(tokenizer, list(stops)))
 
 
 def _prompts(input_ids, attention_mask: torch.Tensor | None, padding: int | None
