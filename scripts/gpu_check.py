@@ -11,7 +11,9 @@ but no internet and nothing of ours installed, within a few minutes. Writes gpu_
 3. The projected speedup of lookahead per mode: tokens/step(k) x T(1) / T(k), with tokens/step(k) from the
    fit measured on CPU with the real model (docs/bench/sweep/sweep.json: a + b ln k), best k reported.
 
-Each part is guarded: a failure is recorded and the next part runs; no new part starts after --budget s.
+Each part is guarded: a failure is recorded and the next part runs. The cost curves run every shape's eager
+modes first, then the compiled ones, each mode only while the time it may need is left before --budget s;
+gpu_check.json is written after every mode, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -23,15 +25,12 @@ import math
 import platform
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
-
-from lookahead import LookaheadConfig, generate
-from lookahead.costs import forward_cost, median_seconds
-from lookahead.hf import HFModelRunner
 
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -45,6 +44,9 @@ SHAPES = {
 }
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 CONTEXT = 256
+# Seconds a mode may take (a compiled one compiles several graphs of a large model on a fresh machine): none
+# starts with less than this left before the budget's end.
+NEEDS = {"ours_eager": 30, "hf_static_eager": 30, "hf_static_cuda_graphs": 150, "ours_compiled": 150}
 
 
 def build(shape: str, dtype: torch.dtype, device: str, spread: float | None = None) -> LlamaForCausalLM:
@@ -64,6 +66,8 @@ def build(shape: str, dtype: torch.dtype, device: str, spread: float | None = No
 
 
 def exactness(device: str, shapes: list[str]) -> list[dict]:
+    from lookahead import LookaheadConfig, generate
+
     rows = []
     for shape in shapes:
         model = build(shape, torch.float32, device, spread=0.15)
@@ -95,6 +99,8 @@ def static_costs(model: LlamaForCausalLM, device: str, compiled: bool, repeats: 
     """transformers' forward over a StaticCache holding CONTEXT tokens, k new tokens with a causal mask, the
     cache rewound after each run; compiled: torch.compile(mode="reduce-overhead"), which captures CUDA
     graphs per shape."""
+    from lookahead.costs import median_seconds
+
     cache = StaticCache(config=model.config, max_cache_len=CONTEXT + max(SIZES))
     parameters = inspect.signature(model.forward).parameters
     cache_argument = "cache" if "cache" in parameters else "past_key_values"
@@ -110,9 +116,9 @@ def static_costs(model: LlamaForCausalLM, device: str, compiled: bool, repeats: 
         extra = {"cache_position": position} if "cache_position" in parameters else {}
 
         def run():
-            with torch.inference_mode():
+            with torch.inference_mode():  # the rewind too: on CUDA the cache's counter is an inference tensor
                 forward(input_ids=ids, position_ids=position[None], use_cache=True, **{cache_argument: cache}, **extra)
-            _rewind(cache, k)
+                _rewind(cache, k)
 
         for _ in range(2 if compiled else 0):  # compile and capture before timing
             run()
@@ -129,33 +135,49 @@ def _rewind(cache: StaticCache, k: int) -> None:
             length.sub_(k)
 
 
-def cost_curves(device: str, shapes: list[tuple[str, torch.dtype]], compiled: bool, deadline: float) -> list[dict]:
-    rows = []
-    for shape, dtype in shapes:
-        if time.time() > deadline:
-            rows.append({"shape": shape, "skipped": "time budget spent"})
-            continue
-        model = build(shape, dtype, device)
-        row = {"shape": shape, "dtype": str(dtype).removeprefix("torch.")}
-        for mode, measure in (
-            ("ours_eager", lambda: {p.tokens: p.seconds for p in forward_cost(HFModelRunner(model), context=CONTEXT,
-                                                                             sizes=SIZES, repeats=5)}),
-            ("hf_static_eager", lambda: static_costs(model, device, False, 5)),
-            ("hf_static_cuda_graphs", lambda: static_costs(model, device, True, 5)),
-            # generate(compile=True)'s path: padded heights through torch.compile (inductor, no CUDA graphs)
-            ("ours_compiled", lambda: {p.tokens: p.seconds for p in forward_cost(
-                HFModelRunner(model, compile=True), context=CONTEXT, sizes=SIZES, repeats=5)}),
-        ):
-            if mode in ("hf_static_cuda_graphs", "ours_compiled") and (not compiled or time.time() > deadline):
-                row[mode] = "skipped"
+def cost_curves(device: str, shapes: list[tuple[str, torch.dtype]], compiled: bool, deadline: float,
+                save: Callable[[list[dict]], None]) -> list[dict]:
+    """One row per shape: each mode's seconds by k, "skipped" or "failed: ...". Eager modes of every shape
+    first, then the compiled ones (CUDA only); `save(rows)` after every mode."""
+    from lookahead.costs import forward_cost
+    from lookahead.hf import HFModelRunner
+
+    def ours(model: LlamaForCausalLM, compile: bool) -> dict:
+        runner = HFModelRunner(model, compile=compile)
+        sizes = tuple(k for k in SIZES if not compile or k <= max(runner.compiled_heights))  # past them: eager
+        seconds = {str(p.tokens): p.seconds for p in forward_cost(runner, context=CONTEXT, sizes=sizes, repeats=5)}
+        if compile:  # which heights compiled, in how long; any that failed ran eagerly
+            seconds.update(compile_seconds={str(shape): t for shape, t in runner.compile_seconds.items()},
+                           eager_shapes=sorted(map(str, runner._eager_shapes)))
+        return seconds
+
+    measures = {
+        "ours_eager": lambda model: ours(model, False),
+        "hf_static_eager": lambda model: static_costs(model, device, False, 5),
+        "hf_static_cuda_graphs": lambda model: static_costs(model, device, True, 5),
+        # generate(compile=True)'s path: padded heights through torch.compile (inductor, no CUDA graphs)
+        "ours_compiled": lambda model: ours(model, True),
+    }
+    rows = [{"shape": shape, "dtype": str(dtype).removeprefix("torch.")} for shape, dtype in shapes]
+    passes = [("ours_eager", "hf_static_eager")] + ([("hf_static_cuda_graphs", "ours_compiled")] if compiled else [])
+    for modes in passes:
+        for row, (shape, dtype) in zip(rows, shapes):
+            if all(time.time() + NEEDS[mode] > deadline for mode in modes):
+                row.update({mode: "skipped: time budget spent" for mode in modes})
                 continue
-            try:
-                row[mode] = {str(k): v for k, v in measure().items()}
-            except Exception as error:  # noqa: BLE001 - record it, go on with the next mode
-                row[mode] = f"failed: {type(error).__name__}: {error}"[:500]
-        _record(rows, row)
-        del model
-        _free(device)
+            model = build(shape, dtype, device)
+            for mode in modes:
+                if time.time() + NEEDS[mode] > deadline:
+                    row[mode] = "skipped: time budget spent"
+                    continue
+                try:
+                    row[mode] = {str(k): v for k, v in measures[mode](model).items()}
+                except Exception as error:  # noqa: BLE001 - record it, go on with the next mode
+                    row[mode] = f"failed: {type(error).__name__}: {error}"[:500]
+                print(json.dumps({"shape": shape, mode: row[mode]}), flush=True)
+                save(rows)
+            del model
+            _free(device)
     return rows
 
 
@@ -175,9 +197,10 @@ def projections(curves: list[dict], fit: dict) -> list[dict]:
     """tokens/step(k) x T(1)/T(k) per shape and mode, tokens/step(k) = max(1, a + b ln k), 1 at k = 1."""
     rows = []
     for row in curves:
-        for mode, seconds in row.items():
-            if not isinstance(seconds, dict):
+        for mode, measured in row.items():
+            if not isinstance(measured, dict):
                 continue
+            seconds = {k: t for k, t in measured.items() if k.isdigit()}
             t1 = seconds["1"]
             speedups = {k: (1.0 if k == "1" else max(1.0, fit["intercept"] + fit["slope"] * math.log(int(k)))) * t1 / t
                         for k, t in seconds.items()}
@@ -192,23 +215,32 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--budget", type=float, default=420.0, help="seconds after which no new part starts")
+    parser.add_argument("--budget", type=float, default=450.0,
+                        help="seconds the whole check may take (gpu_check.sh stops it at 470)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes only (a dry run on a CPU)")
     args = parser.parse_args()
     deadline = time.time() + args.budget
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.device == "cuda" and not torch.cuda.is_available() or args.device == "cpu" and not args.quick:
+        parser.error("the full check runs on a CUDA device (none is visible here); --quick is the dry run for a CPU")
     report: dict = {"environment": {
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "date": time.strftime("%Y-%m-%d %H:%M:%S")}}
     print(json.dumps(report["environment"]), flush=True)
+
+    def save() -> None:
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+
+    save()  # the environment, whatever fails next (an import of ours on an older transformers, say)
     sweep = Path(__file__).resolve().parent.parent / "docs" / "bench" / "sweep" / "sweep.json"
     fit = json.loads(sweep.read_text())["fit"]
     exact_shapes = ["tiny"] if args.quick else ["tiny", "smollm2-135m", "llama-1b"]
     cost_shapes = [("tiny", torch.float32)] if args.quick else [
         ("smollm2-135m", torch.float32), ("llama-1b", torch.bfloat16), ("llama-7b", torch.bfloat16)]
     for part, run in (("exactness", lambda: exactness(args.device, exact_shapes)),
-                      ("cost_curves", lambda: cost_curves(args.device, cost_shapes, args.device == "cuda", deadline))):
+                      ("cost_curves", lambda: cost_curves(args.device, cost_shapes, args.device == "cuda", deadline,
+                                                          lambda rows: report.update(cost_curves=rows) or save()))):
         if time.time() > deadline:
             report[part] = "skipped: time budget spent"
             continue
@@ -216,13 +248,13 @@ def main() -> None:
             report[part] = run()
         except Exception:  # noqa: BLE001 - record it, go on with the next part
             report[part] = "failed: " + traceback.format_exc()[-2000:]
-        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+        save()
     if isinstance(report.get("cost_curves"), list):
         report["projections"] = projections(report["cost_curves"], fit)
         for row in report["projections"]:
             print(f"{row['shape']:>14} {row['mode']:>22}: T(1) {row['T1_ms']:.2f} ms, best k {row['best_k']}, "
                   f"projected speedup {row['projected_speedup']:.2f}x", flush=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    save()
 
 
 if __name__ == "__main__":

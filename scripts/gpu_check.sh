@@ -8,5 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-check-out}"
 mkdir -p "$OUT"
+# Cost curves and kernels are cached here; a fresh folder where the home one may not be writable.
+export LOOKAHEAD_CACHE="${LOOKAHEAD_CACHE:-$(mktemp -d)}"
 python=$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )
 PYTHONPATH=src timeout 470 "$python" scripts/gpu_check.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.txt"

@@ -610,6 +610,8 @@ class HFModelRunner:
                                                    **kwargs)
             else:
                 out = self.model(input_ids=input_ids, use_cache=True, **kwargs)
+        if input_ids.device.type == "cuda":  # the forward only queued its kernels: time them, not their launch
+            torch.cuda.synchronize(input_ids.device)
         self.forward_seconds += time.perf_counter() - start
         return out
 
