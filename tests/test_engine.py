@@ -299,6 +299,48 @@ def test_a_request_whose_decoding_rule_fails_ends_alone_and_the_others_stay_exac
         generate(llama_tiny, prompts[0], max_new_tokens=8, logits_processor=[FailsOnce(2)])
 
 
+class BrokenSource:
+    """A caller's draft source: fails at its `when`-th proposal, or proposes `token` every time."""
+
+    name = "broken"
+
+    def __init__(self, when: int | None = None, token: int | None = None) -> None:
+        self.calls, self.when, self.token = 0, when, token
+
+    def propose(self, text, limit):
+        self.calls += 1
+        if self.calls == self.when:
+            raise RuntimeError("a bug in the user's draft source")
+        return [Draft((self.token,), self.name)] if self.token is not None else []
+
+    def observe(self, text, new):
+        pass
+
+
+@pytest.mark.parametrize("source, error", [
+    (lambda: BrokenSource(when=3), "a bug in the user's draft source"),
+    (lambda: BrokenSource(token=10**6), r"draft source 'broken' proposed token id 1000000, outside the model's "
+                                        r"vocabulary \[0, "),
+], ids=["raises", "token-outside-the-vocabulary"])
+def test_a_request_whose_draft_source_fails_ends_alone_and_the_others_stay_exact(llama_tiny, source, error):
+    """Proposing runs before the step's forward, for every request together: a failing source had failed every
+    step of the engine (its drafts are checked before they reach the model's embedding)."""
+    engine = Engine(llama_tiny, max_batch=2)
+    prompts = prompts_of([9, 12], seed=12)
+    ids = [engine.add_request(p, RequestParams(max_new_tokens=20, eos_token_id=[], config=LookaheadConfig(),
+                                               proposers=[source()] if i == 0 else ()))
+           for i, p in enumerate(prompts)]
+    outputs: dict[int, list[int]] = {}
+    errors: dict[int, Exception] = {}
+    _run(engine, dict(zip(ids, prompts)), outputs, errors)
+    assert list(errors) == [ids[0]]
+    with pytest.raises(type(errors[ids[0]]), match=error):
+        raise errors[ids[0]]
+    expected = reference_greedy(llama_tiny, prompts[1].view(1, -1), 20, eos_token_id=[])[0, prompts[1].numel():]
+    assert outputs[ids[1]] == expected.tolist()
+    assert not engine.has_unfinished() and engine.running() == 0
+
+
 def test_a_failed_generate_ends_its_stream(llama_tiny):
     """A reader of transformers' `TextIteratorStreamer` waits for the stream's end: a `generate` that fails
     ends it too, then raises."""
@@ -364,3 +406,32 @@ def test_an_engines_own_step_history_is_bounded(llama_tiny, monkeypatch):
     while engine.has_unfinished():
         engine.step()
     assert engine.stats.steps == 12 and list(engine.stats.accepted_per_step) == [1] * 5
+
+
+def _longrope_phi3(original: int) -> torch.nn.Module:
+    """A tiny Phi-3 with "longrope" rotary embeddings (as Phi-3-128k): short frequencies up to `original`
+    positions, long ones past it."""
+    from conftest import _COMMON, peaked
+    from transformers import Phi3Config, Phi3ForCausalLM
+    half = _COMMON["hidden_size"] // _COMMON["num_attention_heads"] // 2
+    torch.manual_seed(0)
+    config = Phi3Config(**_COMMON, original_max_position_embeddings=original, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
+        "long_factor": [float(4 + i) for i in range(half)], "original_max_position_embeddings": original})
+    return peaked(Phi3ForCausalLM(config), 0.15)
+
+
+def test_a_longrope_model_decodes_within_its_original_context_only():
+    """transformers switches a forward to the long frequencies once any of its positions lies past the original
+    context; a batch, a lookahead step or a prompt fed in chunks would cross it at other steps than generate's
+    (outputs differed), so requests stay inside it."""
+    model = _longrope_phi3(original=80)  # the cost curve's steps need 65 positions
+    prompts = prompts_of([10, 30], seed=13)
+    out = generate(model, prompts, max_new_tokens=50, eos_token_id=[], config=LookaheadConfig())
+    for row, prompt in zip(out.sequences, prompts):  # the longer one ends at the last position allowed
+        expected = reference_greedy(model, prompt.view(1, -1), 50, eos_token_id=[])[0]
+        assert row[: expected.numel()].tolist() == expected.tolist()
+    with pytest.raises(ValueError, match="exceeds the model's context of 80 positions"):
+        generate(model, prompts[1], max_new_tokens=51)
+    with pytest.raises(ValueError, match="max_length"):
+        Engine(model, max_length=81)

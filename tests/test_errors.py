@@ -174,9 +174,11 @@ def test_bad_options_are_refused_before_any_work(llama_tiny, tmp_path, monkeypat
     assert recorder.sizes == []
 
 
-@pytest.mark.parametrize("eos", [np.int64(2), torch.tensor(2), [torch.tensor(2)], (2,)], ids=["numpy", "tensor-0d",
-                                                                                           "list-of-tensors", "tuple"])
-def test_stop_tokens_may_come_as_any_integer_type(llama_tiny, eos):
+@pytest.mark.parametrize("eos", [np.int64(2), torch.tensor(2), [torch.tensor(2)], (2,), {2}, frozenset({2}),
+                                 (token for token in [2]), {2: "eos"}.keys()],
+                         ids=["numpy", "tensor-0d", "list-of-tensors", "tuple", "set", "frozenset", "generator",
+                              "dict-keys"])
+def test_stop_tokens_may_come_as_any_integer_type_or_iterable(llama_tiny, eos):
     expected = generate(llama_tiny, [5, 6, 7], max_new_tokens=12, eos_token_id=2).sequences
     assert torch.equal(generate(llama_tiny, [5, 6, 7], max_new_tokens=12, eos_token_id=eos).sequences, expected)
 

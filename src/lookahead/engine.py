@@ -22,7 +22,7 @@ import torch.distributed
 from transformers import LogitsProcessor, PreTrainedModel
 
 from .config import AUTO_CONFIG, WINDOW_ROWS_BELOW, LookaheadConfig
-from .core.decoder import NO_PROPOSAL, LookaheadDecoder, StepPlan
+from .core.decoder import NO_PROPOSAL, LookaheadDecoder, Proposal, StepPlan
 from .core.drafter import AcceptanceStats, node_counts
 from .core.drafts import Proposer
 from .core.prices import StepPrices
@@ -203,6 +203,7 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._slots: list[_Request | None] = [None] * max_batch
         self._next_id = 0
+        self._proposal_errors: dict[int, Exception] = {}  # this step's requests whose draft sources failed
 
     def warm_up(self) -> None:
         """With compile=True, compile now the step shapes this engine will meet (`HFModelRunner.warm_up`: a
@@ -226,7 +227,7 @@ class Engine:
         decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform,
                                    corpus=params.corpus, cost=self.cost, proposers=params.proposers,
                                    stats=acceptance_stats(self.model, rule.choose is not None),
-                                   context=context_length(self.model))
+                                   context=context_length(self.model), vocabulary=vocabulary_size(self.model))
         request = _Request(self._next_id, prompt, params, decoder, set(stops),
                            GenerationStats(window=decoder.window.width))
         self._next_id += 1
@@ -320,6 +321,10 @@ class Engine:
         outputs, kept, failed, committed = [], [], {}, 0
         for row, (request, plan) in enumerate(zip(decoding, plans)):
             pick = batch.picks[row]
+            if request.id in self._proposal_errors:
+                failed[request.id] = self._proposal_errors.pop(request.id)
+                outputs.append([request, [], True])
+                continue
             try:
                 result = request.decoder.update(plan, logits[row] if pick is None else logits[row, pick.to(logits.device)])
                 tokens, finished = self._stop(request, result.tokens)
@@ -366,7 +371,7 @@ class Engine:
         cost = prices.cost(len(decoding)) if prices is not None else self._cost(len(decoding))
         drafts = prices is None or prices.drafts(len(decoding))
         drafting = [drafts or not b for b in budgeted]
-        proposals = [r.decoder.propose() if d else NO_PROPOSAL for r, d in zip(decoding, drafting)]
+        proposals = [self._proposal(r) if d else NO_PROPOSAL for r, d in zip(decoding, drafting)]
         windows = [d and r.decoder.window_pays(cost) and r.decoder.window_fits() for r, d in zip(decoding, drafting)]
         demands = []
         for request, proposal, window in zip(decoding, proposals, windows):
@@ -381,6 +386,15 @@ class Engine:
                 request.stats.undrafted_steps += not d
         return ([r.decoder.plan(p, n, w) for r, p, n, w in zip(decoding, proposals, counts, windows)],
                 any(drafting), any(d.gains for d in demands), prices is not None)
+
+    def _proposal(self, request: _Request) -> Proposal:
+        """The request's drafts for this step; where one of its own draft sources fails, none, and the request
+        ends with that error after the step (`_proposal_errors`), the others unharmed."""
+        try:
+            return request.decoder.propose()
+        except Exception as error:  # noqa: BLE001 - a user's draft source (RequestParams.proposers) raised
+            self._proposal_errors[request.id] = error
+            return NO_PROPOSAL
 
     def _cost(self, batch: int) -> CostCurve:
         """The relative cost of a step of `batch` sequences by its height: the measured curve of the largest
@@ -588,6 +602,10 @@ def eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None) ->
         eos_token_id = getattr(model.generation_config, "eos_token_id", None)
     if eos_token_id is None:
         return []
+    if isinstance(eos_token_id, (set, frozenset)):  # no order of its own: the smallest first (the padding's pick)
+        eos_token_id = sorted(eos_token_id)
+    elif isinstance(eos_token_id, Iterable) and not isinstance(eos_token_id, (str, bytes, torch.Tensor, list, tuple)):
+        eos_token_id = list(eos_token_id)  # a generator, dict keys...
     try:
         ids = torch.as_tensor(eos_token_id)
     except (TypeError, ValueError, RuntimeError):

@@ -44,8 +44,21 @@ def vocabulary_size(model: PreTrainedModel) -> int:
 
 
 def context_length(model: PreTrainedModel) -> int | None:
-    """The most positions the model was built for (None where its config does not say)."""
-    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    """The most positions a request may take (None where the model's config does not say): those the model was
+    built for; with "longrope" rotary embeddings (Phi-3-128k, Phi-3.5) only its original context, past which
+    transformers switches every position of a forward to the long frequencies once any position of that
+    forward lies past it: a lookahead step (rows ahead of the text, other requests beside it, a prompt fed in
+    chunks) would cross it at other steps than `generate`'s one-token steps, and its output differ."""
+    config = model.config.get_text_config(decoder=True)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kinds = [rope, *(v for v in rope.values() if isinstance(v, dict))] if isinstance(rope, dict) else []  # per layer type
+    for kind in kinds:
+        if kind.get("rope_type", kind.get("type")) == "longrope":
+            original = kind.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None)
+            if original:
+                return int(original)
+    return getattr(config, "max_position_embeddings", None)
 
 
 class PackedLinears:

@@ -64,7 +64,8 @@ class LookaheadDecoder:
     tree and the window when `config.budget` is set. proposers: more draft sources, after the pool, the
     suffix and the recycle sources. stats: acceptance statistics to learn from and add to (the engine's are
     shared by every request on its model); None: this sequence's own. context: the model's context in positions, past
-    which no row of a step is placed (None: no limit)."""
+    which no row of a step is placed (None: no limit). vocabulary: the model's token ids are below it; a draft of
+    one of `proposers` outside it raises ValueError (None: unchecked)."""
 
     def __init__(
         self,
@@ -77,6 +78,7 @@ class LookaheadDecoder:
         proposers: Sequence[Proposer] = (),
         stats: AcceptanceStats | None = None,
         context: int | None = None,
+        vocabulary: int | None = None,
     ) -> None:
         if config.budget and cost is None:
             raise ValueError("a budgeted config needs the step cost curve (cost=)")
@@ -92,6 +94,8 @@ class LookaheadDecoder:
                         if config.recycle else None)
         recycle = [self.recycle] if self.recycle else []
         self.proposers: list[Proposer] = [pool, *suffix, *recycle, *proposers]
+        self._own_sources = len(self.proposers) - len(proposers)
+        self.vocabulary = vocabulary
         self._learn_from_prompt = [pool] * config.seed_from_prompt + self.proposers[1:]
         self._learn_from_output = [pool] * config.learn_from_output + self.proposers[1:]
         self.stats = stats if stats is not None else AcceptanceStats()
@@ -111,7 +115,15 @@ class LookaheadDecoder:
     def propose(self) -> Proposal:
         """Every source's drafts for the next step, merged and ranked."""
         limit = max(self.config.ngram - 1, self.config.suffix)
-        drafts = [draft for proposer in self.proposers for draft in proposer.propose(self.sequence, limit)]
+        drafts = []
+        for index, proposer in enumerate(self.proposers):
+            proposed = proposer.propose(self.sequence, limit)
+            if index >= self._own_sources and self.vocabulary is not None:  # a caller's: its tokens reach the model
+                outside = [t for d in proposed for t in d.tokens if not 0 <= t < self.vocabulary]
+                if outside:
+                    raise ValueError(f"draft source {getattr(proposer, 'name', type(proposer).__name__)!r} proposed "
+                                     f"token id {outside[0]}, outside the model's vocabulary [0, {self.vocabulary})")
+            drafts += proposed
         return Proposal(drafts, rank_nodes(drafts, self.stats, MAX_TREE_NODES if self.cost else None))
 
     def base_rows(self, window: bool = True) -> int:
