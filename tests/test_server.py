@@ -59,6 +59,19 @@ def greedy_text(default_model, question: str, tokens: int) -> str:
     return tokenizer.decode(expected, skip_special_tokens=True)
 
 
+def test_a_developer_message_is_the_system_message(server, default_model):
+    """OpenAI's newer clients send the system prompt as "developer", which chat templates do not know."""
+    url, _ = server
+    model, tokenizer = default_model
+    turns = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a colour."}]
+    ids = encode_messages(tokenizer, turns)
+    expected = tokenizer.decode(reference_greedy(model, ids, 8)[0, ids.shape[1]:], skip_special_tokens=True)
+    reply = client(url).chat.completions.create(
+        model=MODEL, messages=[{**turns[0], "role": "developer"}, turns[1]], max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == ids.shape[1]  # the very prompt the system message makes
+
+
 def test_chat_reply_equals_generate_streamed_or_not(server, default_model):
     url, _ = server
     question = "Name three colours of the rainbow."
@@ -199,8 +212,9 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
         ("chat", {"model": MODEL, "messages": HI, "stop": ["a", 3]}, 400, "a string or a list of strings", "stop"),
         ("chat", {"model": MODEL, "messages": HI, "lookahead": {"window": "5"}}, 400, "object of integers",
          "lookahead"),
-        ("chat", {"model": MODEL, "messages": [{"role": 1, "content": "hi"}]}, 400, "valid string",
-         "messages[0].role"),
+        ("chat", {"model": MODEL, "messages": [{"role": 1, "content": "hi"}]}, 400, "'user'", "messages[0].role"),
+        ("chat", {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400,
+         "Input should be 'system', 'developer', 'user', 'assistant', 'tool' or 'function'", "messages[0].role"),
     ],
     ids=["no-messages", "messages-not-a-list", "n=2", "negative-max-tokens", "unknown-model", "oversized-messages",
          "oversized-prompt", "max-tokens-past-max-length", "max-completion-tokens-past-max-length", "bad-lookahead",
@@ -208,7 +222,7 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
          "top-logprobs", "tools", "tool-choice", "json-response-format", "presence-penalty", "echo",
          "completion-logprobs", "suffix", "best-of", "completion-max-completion-tokens", "stream-a-string",
          "temperature-a-boolean", "n-a-float", "include-usage-a-number", "stop-list-with-a-number",
-         "lookahead-window-a-string", "role-a-number"],
+         "lookahead-window-a-string", "role-a-number", "unknown-role"],
 )
 def test_bad_requests_get_openai_errors_naming_the_field_and_the_server_keeps_serving(server, path, body, status,
                                                                                      words, param):

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterat
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import jinja2
 import torch
@@ -71,7 +71,8 @@ class _Body(BaseModel):
 
 
 class Message(_Body):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's; "developer" is its
+    # newer name for "system", which chat templates know
     content: Any = None  # checked by `_message_text`: a string or text parts, or null (an assistant's tool calls)
 
 
@@ -133,7 +134,8 @@ class ChatRequest(_Common):
 
     def prompt_ids(self, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
         """The conversation through the chat template (or its texts joined by lines without one)."""
-        turns = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(self.messages)]
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
+                 for i, m in enumerate(self.messages)]
         if not has_chat_template(tokenizer):
             return tokenizer("\n".join(turn["content"] for turn in turns), return_tensors="pt")["input_ids"][0]
         try:
