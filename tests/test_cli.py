@@ -57,6 +57,20 @@ def test_generate_stop_ends_the_reply_as_model_generate_does(default_model):
     assert report["text"].endswith("the fishing boats") and report["new_tokens"] < 48  # the token with "bo" kept
 
 
+def test_generate_runs_a_model_whose_generation_config_has_stop_strings(tiny_dir, tmp_path):
+    """generate reads the model's stop strings, which need the tokenizer: the CLI always passes it."""
+    import shutil
+
+    from transformers import GenerationConfig
+    folder = shutil.copytree(tiny_dir, tmp_path / "tiny")
+    config = GenerationConfig.from_pretrained(folder)
+    config.stop_strings = ["\n\n"]
+    config.save_pretrained(folder)
+    result = run_cli("generate", "hi", "--model", str(folder), "--max-new-tokens", "6", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["new_tokens"] >= 1
+
+
 def test_generate_refuses_an_empty_stop_string():
     result = run_cli("generate", "hi", "--stop", "")
     assert result.returncode == 2 and "--stop" in result.stderr and "must not be empty" in result.stderr

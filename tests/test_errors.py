@@ -174,13 +174,18 @@ def test_bad_options_are_refused_before_any_work(llama_tiny, tmp_path, monkeypat
     assert recorder.sizes == []
 
 
-@pytest.mark.parametrize("eos", [np.int64(2), torch.tensor(2), [torch.tensor(2)], (2,), {2}, frozenset({2}),
-                                 (token for token in [2]), {2: "eos"}.keys()],
+@pytest.mark.parametrize("given", [lambda t: np.int64(t), lambda t: torch.tensor(t), lambda t: [torch.tensor(t)],
+                                   lambda t: (t,), lambda t: {t}, lambda t: frozenset({t}), lambda t: (x for x in [t]),
+                                   lambda t: {t: "eos"}.keys(), lambda t: np.array(t), lambda t: np.array([t])],
                          ids=["numpy", "tensor-0d", "list-of-tensors", "tuple", "set", "frozenset", "generator",
-                              "dict-keys"])
-def test_stop_tokens_may_come_as_any_integer_type_or_iterable(llama_tiny, eos):
-    expected = generate(llama_tiny, [5, 6, 7], max_new_tokens=12, eos_token_id=2).sequences
-    assert torch.equal(generate(llama_tiny, [5, 6, 7], max_new_tokens=12, eos_token_id=eos).sequences, expected)
+                              "dict-keys", "numpy-0d-array", "numpy-array"])
+def test_stop_tokens_may_come_as_any_integer_type_or_iterable(llama_tiny, given):
+    """A generator is read once (it had been used up by the first of several reads: no stop token at all)."""
+    free = generate(llama_tiny, [5, 6, 7], max_new_tokens=12, eos_token_id=[]).sequences[0, 3:].tolist()
+    stop = free[4]  # a token the output reaches
+    expected = generate(llama_tiny, [5, 6, 7], max_new_tokens=12, eos_token_id=stop).sequences
+    assert expected.shape[1] < 3 + 12  # it stopped there
+    assert torch.equal(generate(llama_tiny, [5, 6, 7], max_new_tokens=12, eos_token_id=given(stop)).sequences, expected)
 
 
 def test_corpus_documents_are_token_ids():

@@ -90,6 +90,52 @@ def test_a_stopping_criterion_is_called_after_every_token_as_generate_calls_it(d
     assert criterion.shapes == [(1, n) for n in range(prompt.shape[1] + 1, length + 1)]  # every length, in order
 
 
+def test_a_criterion_may_answer_a_plain_bool(llama_tiny):
+    """transformers combines criteria with `|`, so a Python bool does; it had failed here (`.any()` of a bool)."""
+    def after_six(input_ids, scores):
+        return input_ids.shape[1] >= 9
+
+    theirs = llama_tiny.generate(torch.tensor([[5, 6, 7]]), do_sample=False, max_new_tokens=20,
+                                 stopping_criteria=StoppingCriteriaList([after_six]))
+    ours = generate(llama_tiny, [5, 6, 7], max_new_tokens=20, stopping_criteria=[after_six])
+    assert ours.sequences.tolist() == theirs.tolist() and theirs.shape[1] == 9
+
+
+def test_criteria_see_a_left_padded_row_as_generate_hands_it_to_them(llama_tiny):
+    """A criterion reading the length stops a padded row where generate stops it: the row's padding is in front."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 0, 11, 12, 13]])
+    mask = (ids != 0).long()
+    theirs = llama_tiny.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0,
+                                 stopping_criteria=StoppingCriteriaList([StopAtLength(12)]))
+    ours = generate(llama_tiny, ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0,
+                    stopping_criteria=[StopAtLength(12)])
+    assert theirs.shape[1] == 12 and ours.sequences[:, :12].tolist() == theirs.tolist()
+    assert set(ours.sequences[:, 12:].view(-1).tolist()) <= {0}
+
+
+def test_a_callers_stop_string_criterion_takes_the_place_of_stop_strings(default_model, story):
+    """As in generate: a StopStringCriteria among the caller's criteria replaces the one stop_strings would make."""
+    from transformers import StopStringCriteria
+    model, tokenizer = default_model
+    prompt, _, stops = story
+    own = StopStringCriteria(tokenizer, [stops[1]])
+    theirs = _their_generate(model, prompt, stop_strings=stops[0], tokenizer=tokenizer,
+                             stopping_criteria=StoppingCriteriaList([own]))
+    ours = generate(model, prompt, max_new_tokens=NEW_TOKENS, stop_strings=stops[0], tokenizer=tokenizer,
+                    stopping_criteria=[own])
+    assert ours.sequences.tolist() == theirs.tolist()
+    alone = generate(model, prompt, max_new_tokens=NEW_TOKENS, stop_strings=stops[0], tokenizer=tokenizer)
+    assert alone.sequences.shape[1] != theirs.shape[1]  # the two stop strings end the reply at different tokens
+
+
+def test_engine_requests_take_none_or_a_list_of_criteria(llama_tiny):
+    from lookahead.engine import Engine, RequestParams
+    engine = Engine(llama_tiny, max_batch=1)
+    engine.add_request([5, 6, 7], RequestParams(max_new_tokens=3, stopping_criteria=None))
+    with pytest.raises(TypeError, match="stopping_criteria must be a list of transformers StoppingCriteria"):
+        engine.add_request([5, 6, 7], RequestParams(max_new_tokens=3, stopping_criteria=StopAtLength(5)))
+
+
 def test_a_failing_criterion_fails_the_call(llama_tiny):
     def broken(input_ids, scores):
         raise RuntimeError("criterion broke")
@@ -106,6 +152,7 @@ def test_a_failing_criterion_fails_the_call(llama_tiny):
         ({"stop_strings": [3], "tokenizer": "tok"}, ValueError, "stop_strings must be a non-empty string"),
         ({"stopping_criteria": "stop"}, TypeError, "stopping_criteria must be a list of transformers StoppingCriteria"),
         ({"stopping_criteria": [3]}, TypeError, "stopping_criteria must be a list of transformers StoppingCriteria"),
+        ({"stopping_criteria": StopAtLength(5)}, TypeError, "stopping_criteria must be a list of transformers"),
     ],
 )
 def test_bad_stop_options(llama_tiny, options, error, message):

@@ -125,7 +125,10 @@ class RequestParams:
     generator: torch.Generator | None = None
     corpus: Corpus | None = None
     proposers: Sequence[Proposer] = ()
-    stopping_criteria: Sequence[StoppingCriterion] = ()
+    stopping_criteria: Sequence[StoppingCriterion] | None = ()
+
+    def __post_init__(self) -> None:  # a generator of stop tokens is read once, here, not at each use
+        object.__setattr__(self, "eos_token_id", stop_token_list(self.eos_token_id))
 
     def decoding(self, generator: torch.Generator | None) -> DecodingOptions:
         """This request's decoding options, drawing from `generator`."""
@@ -154,7 +157,8 @@ class _Request:
     slot: int = -1
     prefilled: int = 0  # prompt tokens in the KV store; all but the last before decoding starts
     generated: list[int] = field(default_factory=list)
-    text: torch.Tensor | None = None  # [1, prompt + max_new_tokens]: the prompt, then the new tokens (for criteria)
+    padding: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # see add_request
+    text: torch.Tensor | None = None  # [1, padding + prompt + max_new_tokens]: what the stopping criteria see
 
     @property
     def decoding(self) -> bool:
@@ -210,8 +214,11 @@ class Engine:
         few graphs, 10-70 s each on a 2-core CPU) rather than in the middle of a run; nothing otherwise."""
         self.runner.warm_up(self.max_batch)
 
-    def add_request(self, prompt_ids: torch.Tensor | list[int], params: RequestParams | None = None) -> int:
-        """Queue a request; its id. Raises ValueError, before any work, for a request that cannot run."""
+    def add_request(self, prompt_ids: torch.Tensor | list[int], params: RequestParams | None = None,
+                    padding: torch.Tensor | Sequence[int] = ()) -> int:
+        """Queue a request; its id. Raises ValueError, before any work, for a request that cannot run.
+        padding: the pad tokens in front of the prompt in the caller's batch row, which the request's stopping
+        criteria see in front of it (as `generate` hands them its left-padded rows); nothing else reads them."""
         params = RequestParams() if params is None else params
         config = check_params(self.model, params)
         prompt = check_request(self.model, prompt_ids, params.max_new_tokens)
@@ -229,7 +236,8 @@ class Engine:
                                    stats=acceptance_stats(self.model, rule.choose is not None),
                                    context=context_length(self.model), vocabulary=vocabulary_size(self.model))
         request = _Request(self._next_id, prompt, params, decoder, set(stops),
-                           GenerationStats(window=decoder.window.width))
+                           GenerationStats(window=decoder.window.width),
+                           padding=torch.as_tensor(padding, dtype=torch.long).view(-1).cpu())
         self._next_id += 1
         self._waiting.append(request)
         return request.id
@@ -407,13 +415,14 @@ class Engine:
         tokens, finished = kept_tokens(tokens, request.params.max_new_tokens - len(request.generated),
                                        request.stop_ids)
         if request.params.stopping_criteria:
+            before = request.padding.numel() + request.prompt.numel()
             if request.text is None:
-                request.text = torch.empty(1, request.prompt.numel() + request.params.max_new_tokens, dtype=torch.long)
-                request.text[0, : request.prompt.numel()] = request.prompt
-            end = request.prompt.numel() + len(request.generated)
+                request.text = torch.empty(1, before + request.params.max_new_tokens, dtype=torch.long)
+                request.text[0, :before] = torch.cat([request.padding, request.prompt])
+            end = before + len(request.generated)
             request.text[0, end : end + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             for count in range(1, len(tokens) + 1):  # as generate checks them: after each token
-                if any(bool(criterion(request.text[:, : end + count], None).any())
+                if any(bool(torch.as_tensor(criterion(request.text[:, : end + count], None)).any())
                        for criterion in request.params.stopping_criteria):
                     tokens, finished = tokens[:count], True
                     break
@@ -583,9 +592,11 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {params.seed!r}")
         if params.generator is not None:
             raise ValueError("give a request seed or a generator, not both")
-    if isinstance(params.stopping_criteria, (str, bytes)) or not all(map(callable, params.stopping_criteria)):
+    criteria = params.stopping_criteria or ()
+    if callable(criteria) or not isinstance(criteria, Iterable) or isinstance(criteria, (str, bytes)) or not all(
+            map(callable, criteria)):
         raise TypeError("stopping_criteria must be a list of transformers StoppingCriteria (callables of "
-                        "(input_ids, scores) returning a bool tensor)")
+                        f"(input_ids, scores) returning a bool or a bool tensor), got {criteria!r}")
     if not all(callable(getattr(p, "propose", None)) and callable(getattr(p, "observe", None))
                for p in params.proposers):
         raise TypeError("proposers must be draft sources with propose(text, limit) and observe(text, new) "
@@ -600,12 +611,9 @@ def eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None) ->
     Raises ValueError for anything but a token id or a sequence of token ids."""
     if eos_token_id is None:
         eos_token_id = getattr(model.generation_config, "eos_token_id", None)
+    eos_token_id = stop_token_list(eos_token_id)
     if eos_token_id is None:
         return []
-    if isinstance(eos_token_id, (set, frozenset)):  # no order of its own: the smallest first (the padding's pick)
-        eos_token_id = sorted(eos_token_id)
-    elif isinstance(eos_token_id, Iterable) and not isinstance(eos_token_id, (str, bytes, torch.Tensor, list, tuple)):
-        eos_token_id = list(eos_token_id)  # a generator, dict keys...
     try:
         ids = torch.as_tensor(eos_token_id)
     except (TypeError, ValueError, RuntimeError):
@@ -615,6 +623,17 @@ def eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None) ->
     if ids is None or ids.dtype not in TOKEN_DTYPES or ids.dim() > 1 or bool((ids < 0).any()):
         raise ValueError(f"eos_token_id must be a token id or a list of token ids (integers >= 0), got {eos_token_id!r}")
     return ids.view(-1).tolist()
+
+
+def stop_token_list(eos_token_id: object) -> object:
+    """Stop tokens given as a set (no order of its own: the smallest first, which padding takes), a generator or
+    dict keys, as a list; anything else as it is (`eos_ids` checks it)."""
+    if isinstance(eos_token_id, (set, frozenset)):
+        return sorted(eos_token_id)
+    if isinstance(eos_token_id, Iterable) and not isinstance(eos_token_id, (str, bytes, list, tuple)) and not hasattr(
+            eos_token_id, "ndim"):  # arrays and tensors as they are
+        return list(eos_token_id)
+    return eos_token_id
 
 
 def pad_id(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None = None) -> int:

@@ -14,7 +14,7 @@ from .config import LookaheadConfig
 from .core.drafts import Proposer
 from .core.suffix import Corpus
 from .engine import (Engine, GenerationStats, RequestParams, as_token_tensor, check_params, check_request, eos_ids,
-                     StoppingCriterion, pad_id)
+                     StoppingCriterion, pad_id, stop_token_list)
 
 
 @dataclass
@@ -86,6 +86,7 @@ def generate(
     compile="cpp-wrapper": the same with the code that calls the compiled kernels in C++ rather than Python
     (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """
+    eos_token_id = stop_token_list(eos_token_id)  # a generator read once
     criteria = _stopping_criteria(model, stop_strings, tokenizer, stopping_criteria)
     params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
                            repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers), criteria)
@@ -102,7 +103,9 @@ def generate(
     engine = Engine(model, max_batch=len(checked), max_length=max(p.numel() for p in checked) + max_new_tokens,
                     packed_linear=packed_linear, compile=compile)
     start = time.perf_counter()
-    ids = [engine.add_request(prompt, params) for prompt in checked]
+    # A batch row's left padding goes in front of its prompt for the stopping criteria, as generate hands them rows.
+    ids = [engine.add_request(prompt, params, () if layout is None else layout[row, : layout.shape[1] - prompt.numel()])
+           for row, prompt in enumerate(checked)]
     generated: dict[int, list[int]] = {i: [] for i in ids}
     finished: dict[int, GenerationStats] = {}
     if streamer is not None:
@@ -154,6 +157,8 @@ def _stopping_criteria(model: PreTrainedModel, stop_strings: str | Sequence[str]
         raise ValueError(f"stop_strings must be a non-empty string or a non-empty list of them, got {stop_strings!r}")
     if tokenizer is None:
         raise ValueError("stop_strings need the model's tokenizer: pass tokenizer= too (as generate does)")
+    if any(isinstance(c, StopStringCriteria) for c in criteria):  # the caller's own takes its place, as in generate
+        return criteria
     return (*criteria, StopStringCriteria(tokenizer, list(stops)))
 
 
