@@ -427,6 +427,20 @@ def test_a_packed_forward_computes_the_linear_layer(packer):
 
 
 @needs_native
+def test_our_kernel_computes_every_row_count_and_panel_remainder():
+    """Each block of rows (1-8 at a time) against each run of panels (1-4 of 16 features at a time) that the
+    kernel dispatches to, the last panel full or not."""
+    generator = torch.Generator().manual_seed(0)
+    for features in (5, 16, 23, 32, 48, 55, 64, 80, 96, 119):
+        weight, bias = torch.randn(features, 40, generator=generator), torch.randn(features, generator=generator)
+        packed = kernels.pack(weight)
+        for rows in range(1, 20):
+            x = torch.randn(rows, 40, generator=generator)
+            torch.testing.assert_close(kernels.linear(x, packed, bias, features),
+                                       torch.nn.functional.linear(x, weight, bias), msg=f"{rows} x {features}")
+
+
+@needs_native
 def test_our_kernel_is_a_torch_operator_that_refuses_what_it_cannot_compute():
     """`torch.ops.lookahead.linear_f32` (registered from C++) is the linear layer, and names the problem with a
     float64 input, a weight packed for another input size or not in panels of 16, or a bias of the wrong length."""

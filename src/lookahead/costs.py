@@ -23,6 +23,7 @@ import torch
 from filelock import FileLock
 from transformers import PreTrainedModel
 
+from . import kernels
 from .hf import HFModelRunner, UnsupportedModelError, context_length, is_sharded
 from .models import cache_root
 from .runtime.batch import causal_step, pack_steps
@@ -183,12 +184,15 @@ def median_seconds(run: Callable[[], object], repeats: int, device: torch.device
 
 
 def _curve_key(runner: HFModelRunner) -> str:
-    """What the cost depends on: the model's shape (not its weights), dtype, device, threads, linear paths."""
+    """What the cost depends on: the model's shape (not its weights), dtype, device, threads, linear paths, and
+    on a CPU the build of our kernels (named by their sources: a changed kernel is timed afresh)."""
     model: PreTrainedModel = runner.model
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else runner.device.type
+    built = kernels.library() if runner.device.type == "cpu" else None
     described = json.dumps([COST_FORMAT_VERSION, type(model).__name__, config, str(runner.dtype), device,
-                            torch.get_num_threads(), runner.packing, runner.packers, torch.__version__],
+                            torch.get_num_threads(), runner.packing, runner.packers, torch.__version__,
+                            built.name if built else None],
                            sort_keys=True, default=str)
     return hashlib.blake2b(described.encode(), digest_size=16).hexdigest()
 

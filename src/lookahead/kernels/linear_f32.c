@@ -34,7 +34,8 @@ static inline __mmask16 tail(int n, int col) { return n - col >= 16 ? 0xFFFF : (
         _mm512_mask_storeu_ps(out + (long)(m0 + m) * n + 16 * (p + q), tail(n, 16 * (p + q)), acc[q][m]); \
   }
 
-KERNEL(4, 1) KERNEL(4, 2) KERNEL(4, 3) KERNEL(4, 4)
+KERNEL(4, 1) KERNEL(4, 2) KERNEL(4, 3) KERNEL(4, 4) KERNEL(4, 5) KERNEL(4, 6)
+KERNEL(3, 1) KERNEL(3, 2) KERNEL(3, 3) KERNEL(3, 4) KERNEL(3, 5) KERNEL(3, 6) KERNEL(3, 7) KERNEL(3, 8)
 KERNEL(2, 1) KERNEL(2, 2) KERNEL(2, 3) KERNEL(2, 4) KERNEL(2, 5) KERNEL(2, 6) KERNEL(2, 7) KERNEL(2, 8)
 KERNEL(1, 1) KERNEL(1, 2) KERNEL(1, 3) KERNEL(1, 4) KERNEL(1, 5) KERNEL(1, 6) KERNEL(1, 7) KERNEL(1, 8)
 
@@ -42,7 +43,8 @@ typedef void (*kernel_t)(const float *, const float *, const float *, float *, i
 static const kernel_t KERNELS[5][9] = {
   [1] = {0, kernel_1_1, kernel_1_2, kernel_1_3, kernel_1_4, kernel_1_5, kernel_1_6, kernel_1_7, kernel_1_8},
   [2] = {0, kernel_2_1, kernel_2_2, kernel_2_3, kernel_2_4, kernel_2_5, kernel_2_6, kernel_2_7, kernel_2_8},
-  [4] = {0, kernel_4_1, kernel_4_2, kernel_4_3, kernel_4_4},
+  [3] = {0, kernel_3_1, kernel_3_2, kernel_3_3, kernel_3_4, kernel_3_5, kernel_3_6, kernel_3_7, kernel_3_8},
+  [4] = {0, kernel_4_1, kernel_4_2, kernel_4_3, kernel_4_4, kernel_4_5, kernel_4_6},
 };
 
 // x [m_size, k_size], wp: the packed weight of n features, bias [n] or NULL, out [m_size, n].
@@ -50,13 +52,13 @@ void linear_f32(const float *x, const float *wp, const float *bias, float *out, 
                 int threads) {
   int panels = (n + 15) / 16;
   // Up to 4 rows: 4 panels a block (16 accumulators); more: 2 panels against 8 rows at a time.
-  int widest = m_size <= 4 ? 4 : 2, block_rows = m_size <= 4 ? m_size : 8;
+  int widest = m_size <= 6 ? 4 : 3, block_rows = m_size <= 6 ? m_size : 8;
   #pragma omp parallel num_threads(threads)
   {
     int t = omp_get_thread_num(), share = (panels + omp_get_num_threads() - 1) / omp_get_num_threads();
     int first = t * share, last = first + share < panels ? first + share : panels;
     for (int p = first; p < last;) {
-      int width = last - p >= widest ? widest : (last - p >= 2 ? 2 : 1);
+      int width = last - p >= widest ? widest : (last - p >= 3 && widest > 3 ? 3 : (last - p >= 2 ? 2 : 1));
       for (int m0 = 0; m0 < m_size; m0 += block_rows) {
         int rows = m_size - m0 < block_rows ? m_size - m0 : block_rows;
         KERNELS[width][rows](x, wp, bias, out, n, k_size, p, m0);
