@@ -629,7 +629,10 @@ def stop_token_list(eos_token_id: object) -> object:
     """Stop tokens given as a set (no order of its own: the smallest first, which padding takes), a generator or
     dict keys, as a list; anything else as it is (`eos_ids` checks it)."""
     if isinstance(eos_token_id, (set, frozenset)):
-        return sorted(eos_token_id)
+        try:
+            return sorted(eos_token_id)
+        except TypeError:  # not all numbers: eos_ids says what is allowed
+            return list(eos_token_id)
     if isinstance(eos_token_id, Iterable) and not isinstance(eos_token_id, (str, bytes, list, tuple)) and not hasattr(
             eos_token_id, "ndim"):  # arrays and tensors as they are
         return list(eos_token_id)
