@@ -160,6 +160,9 @@ def cost_curves(device: str, shapes: list[tuple[str, torch.dtype]], compiled: bo
     }
     rows = [{"shape": shape, "dtype": str(dtype).removeprefix("torch.")} for shape, dtype in shapes]
     passes = [("ours_eager", "hf_static_eager")] + ([("hf_static_cuda_graphs", "ours_compiled")] if compiled else [])
+    if not compiled:
+        for row in rows:
+            row.update(hf_static_cuda_graphs="skipped: CUDA only", ours_compiled="skipped: CUDA only")
     for modes in passes:
         for row, (shape, dtype) in zip(rows, shapes):
             if all(time.time() + NEEDS[mode] > deadline for mode in modes):
