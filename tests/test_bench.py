@@ -321,6 +321,32 @@ def test_the_gpu_check_runs_through_on_tiny_shapes(tmp_path):
     assert (tmp_path / "gpu_check.txt").stat().st_size > 0
 
 
+def test_the_gpu_check_starts_no_mode_without_the_time_it_needs():
+    """A mode of the cost curves starts only with the time it may need left before the budget's end (a compile
+    begun late was killed by the script's timeout, losing what came before); each measured mode is saved at once."""
+    import importlib.util
+    import time
+    from pathlib import Path
+
+    import torch
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    saved: list[list[str]] = []
+
+    def save(rows):
+        saved.append([mode for mode, value in rows[0].items() if isinstance(value, dict)])
+
+    shapes = [("tiny", torch.float32)]
+    late = check.cost_curves("cpu", shapes, False, time.time() + min(check.NEEDS.values()) - 1, save)
+    assert late[0]["ours_eager"] == late[0]["hf_static_eager"] == "skipped: time budget spent" and saved == []
+    ample = check.cost_curves("cpu", shapes, False, time.time() + 600, save)
+    assert saved == [["ours_eager"], ["ours_eager", "hf_static_eager"]]  # saved after each mode
+    assert sorted(map(int, ample[0]["hf_static_eager"])) == list(check.SIZES)
+
+
 def test_compiled_methods_are_compared_with_compiled_plain_and_reports_name_their_baseline():
     runs = [Run("a", "c", 0, method, 8, steps, seconds, None, 8, None, None)
             for method, steps, seconds in [("sample", 8, 8.0), ("plain", 8, 4.0), ("lookahead-auto", 4, 2.0),
