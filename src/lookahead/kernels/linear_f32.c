@@ -51,14 +51,14 @@ static const kernel_t KERNELS[5][9] = {
 void linear_f32(const float *x, const float *wp, const float *bias, float *out, int m_size, int n, int k_size,
                 int threads) {
   int panels = (n + 15) / 16;
-  // Up to 4 rows: 4 panels a block (16 accumulators); more: 2 panels against 8 rows at a time.
+  // Up to 6 rows: 4 panels a block (up to 24 accumulators); more: 3 panels against 8 rows at a time.
   int widest = m_size <= 6 ? 4 : 3, block_rows = m_size <= 6 ? m_size : 8;
   #pragma omp parallel num_threads(threads)
   {
     int t = omp_get_thread_num(), share = (panels + omp_get_num_threads() - 1) / omp_get_num_threads();
     int first = t * share, last = first + share < panels ? first + share : panels;
     for (int p = first; p < last;) {
-      int width = last - p >= widest ? widest : (last - p >= 3 && widest > 3 ? 3 : (last - p >= 2 ? 2 : 1));
+      int width = last - p < widest ? last - p : widest;  // the share's last panels: fewer at once
       for (int m0 = 0; m0 < m_size; m0 += block_rows) {
         int rows = m_size - m0 < block_rows ? m_size - m0 : block_rows;
         KERNELS[width][rows](x, wp, bias, out, n, k_size, p, m0);
