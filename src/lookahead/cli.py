@@ -186,8 +186,8 @@ def generate_command(
                   f"{stats.tokens_per_second:.1f} tokens/s, {max(workers, launched)} processes]")
         return
 
-    # The tokenizer always: a model's generation config may hold stop strings of its own.
-    stops = {"stop_strings": stop, "tokenizer": tokenizer} if stop else {"tokenizer": tokenizer}
+    # The tokenizer always: a model's generation config may hold stop strings of its own (None: those).
+    stops = {"stop_strings": stop, "tokenizer": tokenizer}
 
     def ours(tokens: int, streamer=None):
         generator = torch.Generator().manual_seed(seed)

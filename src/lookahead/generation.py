@@ -14,7 +14,7 @@ from .config import LookaheadConfig
 from .core.drafts import Proposer
 from .core.suffix import Corpus
 from .engine import (Engine, GenerationStats, RequestParams, as_token_tensor, check_params, check_request, eos_ids,
-                     StoppingCriterion, pad_id, stop_token_list)
+                     StoppingCriterion, pad_id)
 
 
 @dataclass
@@ -86,10 +86,10 @@ def generate(
     compile="cpp-wrapper": the same with the code that calls the compiled kernels in C++ rather than Python
     (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """
-    eos_token_id = stop_token_list(eos_token_id)  # a generator read once
     criteria = _stopping_criteria(model, stop_strings, tokenizer, stopping_criteria)
     params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
                            repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers), criteria)
+    eos_token_id = params.eos_token_id  # a generator of them read once, there
     check_params(model, params)
     pad = pad_id(model, eos_token_id) if pad_token_id is None else pad_token_id
     if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
