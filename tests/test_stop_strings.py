@@ -84,3 +84,61 @@ def test_several_stop_strings_cut_where_the_first_to_complete_does_however_the_t
        stops=st.lists(st.sampled_from(["\n###", "\n\n", "##", "# N", "a\n", "Next", "42\n"]), max_size=3))
 def test_a_reply_is_the_same_however_its_tokens_are_grouped_into_steps(ids, cuts, stops):
     assert _reply_in_steps(ids, cuts, stops) == _reply_in_steps(ids, list(range(len(ids))), stops)
+
+
+class _Bytes:
+    """A byte-level tokenizer: token i is byte i; a character cut between tokens decodes to U+FFFD. Counts the
+    tokens it is asked to decode."""
+
+    def __init__(self) -> None:
+        self.decoded = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.decoded += len(ids)
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class _Words:
+    """A SentencePiece-like tokenizer: token i is WORDS[i]; a text's leading space is dropped."""
+
+    WORDS = [" Hello", " world", ",", " caf", "\u00e9", " \u4e16\u754c", "!"]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = "".join(self.WORDS[i] for i in ids)
+        return text[1:] if text.startswith(" ") else text
+
+
+def _streamed(tokenizer, ids: list[int], cuts: list[int], stops: list[str] = ()) -> str:
+    reply = _Reply(tokenizer, list(stops))
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(ids))), len(ids)]
+    steps = [ids[a:b] for a, b in zip(bounds, bounds[1:])]
+    return "".join(reply.add(tokens, finished=index == len(steps) - 1) for index, tokens in enumerate(steps))
+
+
+@given(text=st.text(max_size=40), cuts=st.lists(st.integers(0, 160), max_size=12))
+def test_a_streamed_reply_is_its_whole_decoded_text_even_with_characters_split_across_steps(text, cuts):
+    ids = list(text.encode("utf-8"))
+    assert _streamed(_Bytes(), ids, cuts) == text
+
+
+def test_a_reply_held_at_a_split_character_sends_it_once_complete():
+    reply = _Reply(_Bytes(), [])
+    euro = list("\u20ac".encode("utf-8"))  # 3 bytes
+    assert reply.add([ord("a")]) == "a"
+    assert reply.add([euro[0]]) == ""
+    assert reply.add([euro[1]]) == ""
+    assert reply.add([euro[2], ord("b")]) == "\u20acb"
+    assert reply.add([euro[0]], finished=True) == "\ufffd"  # the reply ended inside a character: as decoded
+
+
+@given(ids=st.lists(st.integers(0, len(_Words.WORDS) - 1), max_size=12), cuts=st.lists(st.integers(0, 12), max_size=6))
+def test_a_streamed_reply_keeps_the_spaces_a_tokenizer_drops_at_the_start_of_a_text(ids, cuts):
+    assert _streamed(_Words(), ids, cuts) == _Words().decode(ids)
+
+
+def test_a_long_reply_is_decoded_a_few_tokens_at_a_time_not_whole_at_each_step():
+    tokenizer = _Bytes()
+    reply = _Reply(tokenizer, ["STOP"])
+    text = "".join(reply.add([byte]) for byte in ("\u00e9t\u00e9 " * 1000).encode("utf-8"))
+    assert text == "\u00e9t\u00e9 " * 1000
+    assert tokenizer.decoded < 4 * 6000  # decoded whole at each step: ~18 million tokens
