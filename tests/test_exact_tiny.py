@@ -179,16 +179,20 @@ def test_a_ragged_step_computes_what_the_padded_step_computes(tiny_model, seed, 
         lambda module, inputs, output: output_rows.append(inputs[0].shape[:-1].numel()))
     try:
         with ForwardRecorder(tiny_model) as recorder:
-            ragged = runners[0].forward(stores[0], batch)
+            ragged = runners[0].step_logits(stores[0], batch)
     finally:
         hook.remove()
-    padded = runners[1].forward(stores[1], batch)
+    padded = runners[1].step_logits(stores[1], batch)
     assert runners[0].ragged and recorder.sizes == [sum(sizes)]
-    # The output layer computes each distinct row once (a shorter sequence's reads past its rows repeat its last).
-    assert output_rows == [sum(len({min(row, size - 1) for row in batch.logit_rows.tolist()}) for size in sizes)]
+    # The output layer computes each distinct row once (a shorter sequence's reads past its rows repeat its last),
+    # and they stay so: the step's logits are not spread to every sequence's share of the tallest's rows.
+    distinct = sum(len({min(row, size - 1) for row in batch.logit_rows.tolist()}) for size in sizes)
+    assert output_rows == [distinct] and ragged.computed.shape[:-1].numel() == distinct and padded.index is None
+    torch.testing.assert_close(ragged.dense(), runners[0].forward(stores[0], batch), rtol=0, atol=0)
     for b, size in enumerate(sizes):
         rows = batch.picks[b] if batch.picks[b] is not None else torch.arange(size)
-        torch.testing.assert_close(ragged[b, rows], padded[b, rows], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ragged.of(b, batch.picks[b])[: rows.numel()], padded.of(b, rows),
+                                   rtol=1e-5, atol=1e-5)
     written = {slot: lengths[slot] + size for slot, size in zip(slots, sizes)}
     for ours, theirs in zip(stores[0].key_buffers + stores[0].value_buffers,
                             stores[1].key_buffers + stores[1].value_buffers):

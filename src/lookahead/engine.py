@@ -316,7 +316,7 @@ class Engine:
         batch = pack_steps([r.slot for r in members], lengths, steps + prompt_steps)
         self._laps("plan")
         before = self.runner.forward_seconds
-        logits = self.runner.forward(self.store, batch, argmax_only=all(r.decoder.argmax_only for r in decoding))
+        logits = self.runner.step_logits(self.store, batch, argmax_only=all(r.decoder.argmax_only for r in decoding))
         self._laps("inputs")
         forward = self.runner.forward_seconds - before
         self.stats.phase_seconds["forward"] = self.stats.phase_seconds.get("forward", 0.0) + forward
@@ -334,7 +334,7 @@ class Engine:
                 outputs.append([request, [], True])
                 continue
             try:
-                result = request.decoder.update(plan, logits[row] if pick is None else logits[row, pick.to(logits.device)])
+                result = request.decoder.update(plan, logits.of(row, pick))
                 tokens, finished = self._stop(request, result.tokens)
             except Exception as error:  # noqa: BLE001 - its own rules (a user's processor or criterion) failed: it alone ends
                 failed[request.id] = error

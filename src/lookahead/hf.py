@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from . import kernels
 from .attention import RaggedLayout, loaded_attention, ragged_rows, routes, stacked_heads
 from .quant import Int4Linear
-from .runtime.batch import StepBatch, causal_step, pack_steps, pad_batch
+from .runtime.batch import StepBatch, StepLogits, causal_step, pack_steps, pad_batch
 from .runtime.kv import KVStore
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
@@ -694,10 +694,15 @@ class HFModelRunner:
         The step's keys and values are written to the store; `store.keep`/`extend` decide what stays.
         argmax_only: the logits are read for their argmax alone; where it is faster, only the logits that could
         be a row's argmax are then float32's (`ArgmaxOutputLayer`), the others lower."""
+        return self.step_logits(store, batch, argmax_only).dense()
+
+    @torch.inference_mode()
+    def step_logits(self, store: KVStore, batch: StepBatch, argmax_only: bool = False) -> StepLogits:
+        """`forward`, its logits as the forward computed them (a ragged step's distinct rows, each once)."""
         if self._compiled is not None and store.allocated():
             logits = self._forward_compiled(store, batch)
             if logits is not None:
-                return logits
+                return StepLogits(logits)
         if batch.padded and self.ragged:
             return self._forward_ragged(store, batch, argmax_only)
         store.begin(batch.slots, batch.height, batch.visible.shape[-1], self.device)
@@ -706,7 +711,7 @@ class HFModelRunner:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} did not write its keys and values through the cache it was given; "
                 "lookahead needs them in its KV store")
-        return out.logits if self.keeps_some_logits else out.logits[:, batch.logit_rows.to(self.device)]
+        return StepLogits(out.logits if self.keeps_some_logits else out.logits[:, batch.logit_rows.to(self.device)])
 
     def _call(self, store: KVStore, batch: StepBatch, logits_to_keep: torch.Tensor | int, compiled: bool = False,
               argmax_only: bool = False):
@@ -733,7 +738,7 @@ class HFModelRunner:
             **({"logits_to_keep": logits_to_keep} if self.keeps_some_logits else {}),
         )
 
-    def _forward_ragged(self, store: KVStore, batch: StepBatch, argmax_only: bool) -> torch.Tensor:
+    def _forward_ragged(self, store: KVStore, batch: StepBatch, argmax_only: bool) -> StepLogits:
         """`forward` with the sequences' rows flattened into one sequence of sum(sizes) rows: the model's
         layers compute no padding rows; each sequence's logit rows past its own rows repeat its last row."""
         count, height = len(batch.slots), batch.height
@@ -754,8 +759,8 @@ class HFModelRunner:
                                 position_ids=batch.positions.view(1, -1)[:, rows].to(self.device),
                                 attention_mask=self._attention_mask(batch), **{self.cache_argument: store},
                                 **({"logits_to_keep": logit_places} if self.keeps_some_logits else {}))
-        logits = out.logits[0] if self.keeps_some_logits else out.logits[0, logit_places]
-        return logits[repeats.to(self.device)]  # [B, U, vocab]
+        return StepLogits(out.logits[0] if self.keeps_some_logits else out.logits[0, logit_places],
+                          repeats.to(self.device))
 
     def _forward_compiled(self, store: KVStore, batch: StepBatch) -> torch.Tensor | None:
         """The step padded to a compiled height and run compiled; None where it runs eagerly (a prefill chunk

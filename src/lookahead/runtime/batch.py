@@ -52,6 +52,30 @@ class StepBatch:
         return torch.cat([b * self.height + torch.arange(size) for b, size in enumerate(self.sizes)])
 
 
+@dataclass(frozen=True)
+class StepLogits:
+    """A step's logits as its forward computed them: `computed` [B, U, vocab] (`index` None), or the distinct
+    rows [M, vocab] of a ragged forward with `index` [B, U] saying which of them each sequence's logit rows
+    are (a sequence shorter than the tallest repeats its last row). Spreading those to [B, U, vocab] copied
+    up to tens of MB a step (8 sequences, one of 17 rows and seven of one: 27 MB, float32), most of them
+    repeats that nobody reads."""
+
+    computed: torch.Tensor
+    index: torch.Tensor | None = None
+
+    def of(self, sequence: int, picks: torch.Tensor | None = None) -> torch.Tensor:
+        """Sequence `sequence`'s logit rows [U, vocab], or those at `picks` (places in the step's logit rows)."""
+        if self.index is None:
+            rows = self.computed[sequence]
+            return rows if picks is None else rows[picks.to(rows.device)]
+        index = self.index[sequence] if picks is None else self.index[sequence, picks.to(self.index.device)]
+        return self.computed[index]
+
+    def dense(self) -> torch.Tensor:
+        """[B, U, vocab]."""
+        return self.computed if self.index is None else self.computed[self.index]
+
+
 def pack_steps(slots: Sequence[int], lengths: Sequence[int], steps: Sequence[StepInput]) -> StepBatch:
     """`lengths[b]`: positions already cached for sequence b, which are also the positions of its tokens;
     the step's rows are written from there on. Padding rows see only themselves and repeat their
