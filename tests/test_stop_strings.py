@@ -13,7 +13,7 @@ class _Pieces:
 
     PIECES = ["\n    if", " n", " <", "=", " 1", "\u00e9"]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], **options) -> str:
         return "".join(self.PIECES[i] for i in ids)
 
 
@@ -54,7 +54,7 @@ class _Texts:
 
     TEXTS = ["Answer: 42", "\n", "\n\n", "###", " Next", "#", "a"]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], **options) -> str:
         return "".join(self.TEXTS[i] for i in ids)
 
 
@@ -93,7 +93,7 @@ class _Bytes:
     def __init__(self) -> None:
         self.decoded = 0
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], **options) -> str:
         self.decoded += len(ids)
         return bytes(ids).decode("utf-8", errors="replace")
 
@@ -103,7 +103,7 @@ class _Words:
 
     WORDS = [" Hello", " world", ",", " caf", "\u00e9", " \u4e16\u754c", "!"]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], **options) -> str:
         text = "".join(self.WORDS[i] for i in ids)
         return text[1:] if text.startswith(" ") else text
 
@@ -142,3 +142,53 @@ def test_a_long_reply_is_decoded_a_few_tokens_at_a_time_not_whole_at_each_step()
     text = "".join(reply.add([byte]) for byte in ("\u00e9t\u00e9 " * 1000).encode("utf-8"))
     assert text == "\u00e9t\u00e9 " * 1000
     assert tokenizer.decoded < 4 * 6000  # decoded whole at each step: ~18 million tokens
+
+
+def test_a_stop_string_completed_by_a_step_that_ends_inside_a_character_counts_its_own_tokens():
+    """The step completing "b" ends inside the next character, whose text waits: the cut and the usage are still
+    those of the token that completed it, not of a later step's."""
+    euro = list("\u20ac".encode("utf-8"))
+    for steps in ([[ord("a")], [ord("b"), euro[0]], euro[1:]], [[ord("a"), ord("b"), euro[0]], euro[1:]]):
+        reply = _Reply(_Bytes(), ["b", "b\u20ac"])
+        text = "".join(reply.add(tokens) for tokens in steps)
+        assert (text, reply.stopped, reply.tokens) == ("a", True, 2)
+
+
+@given(text=st.text(alphabet="ab \u00e9\u20ac\U0001F600", max_size=12), cuts=st.lists(st.integers(0, 40), max_size=8),
+       stops=st.lists(st.text(alphabet="ab \u00e9\u20ac\U0001F600", min_size=1, max_size=3), max_size=3))
+def test_a_reply_with_split_characters_cuts_at_the_same_stop_however_its_tokens_group(text, cuts, stops):
+    ids = list(text.encode("utf-8"))
+
+    def streamed(step_cuts: list[int]) -> tuple[str, bool, int]:
+        reply = _Reply(_Bytes(), stops)
+        bounds = [0, *sorted(set(c for c in step_cuts if 0 < c < len(ids))), len(ids)]
+        steps = [ids[a:b] for a, b in zip(bounds, bounds[1:])]
+        sent = ""
+        for index, tokens in enumerate(steps):
+            sent += reply.add(tokens, finished=index == len(steps) - 1)
+            if reply.stopped:
+                break
+        return sent, reply.stopped, reply.tokens
+
+    assert streamed(cuts) == streamed(list(range(len(ids))))
+
+
+def test_a_tokenizer_that_cleans_up_spaces_streams_one_text_and_cuts_at_its_stop_strings():
+    """A SentencePiece-style tokenizer with the legacy clean-up of spaces (" ." -> "."), which a later token can
+    undo in text already sent: the reply is decoded without it throughout, so the pieces add up and a stop
+    string found in them is found again where the reply is cut (it raised StopIteration before)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    model = Tokenizer(models.Unigram())
+    model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    model.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    model.train_from_iterator(["Hello world . It is a test , is it ?"] * 20,
+                              trainers.UnigramTrainer(vocab_size=40, special_tokens=["<unk>"], unk_token="<unk>"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", clean_up_tokenization_spaces=True)
+    ids = tokenizer.encode("world . It is", add_special_tokens=False)
+    assert tokenizer.decode(ids) == "world. It is"  # cleaned up, whole
+    reply = _Reply(tokenizer, [])
+    assert "".join(reply.add([token], finished=i == len(ids) - 1) for i, token in enumerate(ids)) == "world . It is"
+    reply = _Reply(tokenizer, [" ."])
+    assert "".join(reply.add([token]) for token in ids) == "world" and reply.stopped

@@ -722,14 +722,17 @@ class _Reply:
         """The text to send after these tokens. Until the request has finished, a character cut in the middle
         and a tail that may be the start of a stop string wait for the next tokens: text once sent cannot be
         taken back when a stop string completes across two steps."""
-        before, known = len(self.ids), len(self.text)
+        # `text` holds the tokens before `_read` (those of an earlier step may wait on a split character): a stop
+        # string found in what it gains was completed by a token after them, and ends in that new text.
+        settled, known = self._read, len(self.text)
         self.ids.extend(tokens)
         self._decode_new(finished)
-        # A stop string completed by these tokens ends in their text: only that, and what may precede it, is searched.
         searched = self.text[max(0, known - max(map(len, self.stops), default=0) + 1):]
         if not self.stopped and any(stop in searched for stop in self.stops):
-            self._through_stop = next(n for n in range(before + 1, len(self.ids) + 1) if self._cut(n) is not None)
-            self.stopped = True
+            # None where the whole text, decoded again, does not hold it (a tokenizer whose pieces do not add up)
+            self._through_stop = next((n for n in range(settled + 1, len(self.ids) + 1) if self._cut(n) is not None),
+                                      None)
+            self.stopped = self._through_stop is not None
         text = self.text
         if self.stopped:  # as if the tokens had come one at a time: cut where the first to complete does
             text = self._cut(self._through_stop)
@@ -739,17 +742,21 @@ class _Reply:
         piece, self.sent = text[len(self.sent):], text
         return piece
 
+    def _decode(self, ids: list[int]) -> str:
+        # Without the legacy clean-up of spaces (" ." -> "."), which a later token can undo in text already sent;
+        # the same decoding for pieces and stop strings.
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
     def _decode_new(self, finished: bool) -> None:
         """Extend `text` by the new tokens' complete characters (all of them once `finished`)."""
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        settled = decode(self.ids[self._window:self._read])
-        grown = decode(self.ids[self._window:])
+        settled = self._decode(self.ids[self._window:self._read])
+        grown = self._decode(self.ids[self._window:])
         if len(grown) > len(settled) and (finished or not grown.endswith("\ufffd")):
             self.text += grown[len(settled):]
             self._window, self._read = self._read, len(self.ids)
 
     def _cut(self, count: int) -> str | None:
         """The text of the first `count` tokens up to the earliest stop string in it; None if it has none."""
-        text = self.tokenizer.decode(self.ids[:count], skip_special_tokens=True)
+        text = self._decode(self.ids[:count])
         found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
         return text[:min(found)] if found else None
