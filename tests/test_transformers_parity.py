@@ -108,6 +108,74 @@ def test_a_batch_without_attention_mask_is_padded_where_the_pad_token_given_is()
     assert out.sequences.tolist() == expected.tolist()
 
 
+def test_one_padded_row_without_attention_mask_is_padded_where_its_pad_tokens_are():
+    """`generate` infers the padding of a single [1, n] row as of a batch: the pad tokens are not text."""
+    model = make_tiny_model("llama")
+    pad = model.generation_config.pad_token_id
+    padded = torch.tensor([[pad, pad, 5, 6, 7, 8]])
+    with torch.inference_mode():
+        expected = model.generate(padded, do_sample=False, max_new_tokens=8, eos_token_id=[])
+        alone = model.generate(padded[:, 2:], do_sample=False, max_new_tokens=8, eos_token_id=[])
+    assert expected[0, 2:].tolist() == alone[0].tolist()  # generate's own reading of it: padding
+    assert generate(model, padded, max_new_tokens=8, eos_token_id=[]).sequences.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("length", [("max_new_tokens", 7), ("max_length", 15)])
+def test_the_length_of_the_models_generation_config_applies_where_the_call_sets_none(length):
+    model = make_tiny_model("llama")
+    setattr(model.generation_config, *length)
+    with torch.inference_mode():
+        expected = model.generate(PROMPT, do_sample=False, eos_token_id=[])
+    assert expected.shape[1] == (PROMPT.shape[1] + 7 if length[0] == "max_new_tokens" else 15)
+    assert generate(model, PROMPT, eos_token_id=[]).sequences.tolist() == expected.tolist()
+    assert generate(model, PROMPT, max_new_tokens=3, eos_token_id=[]).sequences.shape[1] == PROMPT.shape[1] + 3
+
+
+def test_no_length_anywhere_takes_ours_and_a_max_length_the_input_fills_is_refused():
+    from lookahead.generation import DEFAULT_NEW_TOKENS
+
+    model = make_tiny_model("llama")
+    assert generate(model, PROMPT, eos_token_id=[]).sequences.shape[1] == PROMPT.shape[1] + DEFAULT_NEW_TOKENS
+    model.generation_config.max_length = PROMPT.shape[1]
+    with pytest.raises(ValueError, match=r"max_new_tokens is unset and the model's generation config sets "
+                                         r"max_length=8, which leaves no room after the input's 8 positions"):
+        generate(model, PROMPT)
+
+
+def test_a_generation_config_asking_for_sampling_samples():
+    """`do_sample` unset: the generation config's, as `generate` reads it (many chat models ship do_sample=True)."""
+    model = make_tiny_model("llama")
+    model.generation_config.do_sample = True
+    draws = [generate(model, PROMPT, max_new_tokens=12, generator=torch.Generator().manual_seed(seed)).sequences
+             for seed in range(4)]
+    assert all(torch.equal(draw, generate(model, PROMPT, max_new_tokens=12, do_sample=True,
+                                          generator=torch.Generator().manual_seed(seed)).sequences)
+               for seed, draw in enumerate(draws))
+    assert len({tuple(draw[0].tolist()) for draw in draws}) > 1
+    greedy = generate(model, PROMPT, max_new_tokens=12, do_sample=False).sequences
+    model.generation_config.do_sample = None
+    assert torch.equal(generate(model, PROMPT, max_new_tokens=12).sequences, greedy)
+
+
+def test_objects_of_the_wrong_kind_are_refused_by_name():
+    model = make_tiny_model("llama")
+    for options, message in [
+        ({"streamer": object()}, r"streamer must be a transformers streamer \(with put\(\) and end\(\)\), got object"),
+        ({"logits_processor": NotImplemented}, "logits_processor must be a list of transformers LogitsProcessor"),
+        ({"packed_linear": "yes"}, "packed_linear must be True, False or None, got 'yes'"),
+        ({"attention_mask": "abc"}, "attention_mask must be a tensor of 0 and 1, got 'abc'"),
+    ]:
+        with pytest.raises(TypeError, match=message):
+            generate(model, PROMPT, max_new_tokens=2, **options)
+    model.generation_config.pad_token_id = -5
+    with pytest.raises(ValueError, match=r"the model's pad token \(generation config\) must be a token id .* got -5"):
+        generate(model, PROMPT, max_new_tokens=2)
+    model = make_tiny_model("llama")
+    model.generation_config.num_return_sequences = 2
+    with pytest.raises(ValueError, match="generation config sets num_return_sequences=2"):
+        generate(model, PROMPT, max_new_tokens=2)
+
+
 @pytest.mark.parametrize("config", [None, LookaheadConfig(window=5, ngram=4, guesses=5)], ids=["auto", "W5N4G5"])
 def test_steps_stay_inside_a_context_of_learned_positions(config, drafts_always):
     """GPT-2 has an embedding for positions below n_positions only: no row of a step (window, drafts,

@@ -14,7 +14,8 @@ from .config import LookaheadConfig
 from .core.drafts import Proposer
 from .core.suffix import Corpus
 from .engine import (Engine, GenerationStats, RequestParams, as_token_tensor, check_params, check_request, eos_ids,
-                     StoppingCriterion, pad_id)
+                     StoppingCriterion, pad_id, stop_token_list)
+from .hf import check_model
 
 
 @dataclass
@@ -27,13 +28,13 @@ def generate(
     model: PreTrainedModel,
     input_ids: torch.Tensor | list[int] | list[list[int]] | list[torch.Tensor],
     attention_mask: torch.Tensor | None = None,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | None = None,
     config: LookaheadConfig | None = None,
     eos_token_id: int | Iterable[int] | None = None,
     streamer=None,
     packed_linear: bool | None = None,
     compile: bool | str = False,
-    do_sample: bool = False,
+    do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -47,11 +48,13 @@ def generate(
     tokenizer: PreTrainedTokenizerBase | None = None,
     stopping_criteria: Sequence[StoppingCriterion] | None = None,
 ) -> GenerateOutput:
-    """Decoding with lookahead. Greedy (the default) gives `model.generate(do_sample=False)`'s output token
-    for token; sampling (`do_sample=True`) draws from the same distribution as `model.generate(do_sample=True)`
-    with the same options (docs/sampling.md). Unset sampling options come from the model's generation
-    config, as in `generate`; `temperature=0` means greedy; `generator` seeds the sampling (one generator,
-    drawn from by every sequence of a batch in turn).
+    """Decoding with lookahead. Greedy gives `model.generate(do_sample=False)`'s output token for token;
+    sampling (`do_sample=True`) draws from the same distribution as `model.generate(do_sample=True)` with the
+    same options (docs/sampling.md). Unset options come from the model's generation config, as in `generate`:
+    do_sample (greedy where it sets none), the sampling options, and max_new_tokens (its max_new_tokens, else
+    its max_length less the input's length, else DEFAULT_NEW_TOKENS; transformers would stop at 20 positions
+    in all); `temperature=0` means greedy; `generator` seeds the sampling (one generator, drawn from by every
+    sequence of a batch in turn).
 
     input_ids: one prompt ([n] or [1, n]); a batch [B, n], left-padded where `attention_mask` (transformers'
     convention, 1 for a token, 0 for padding) says so (without one, B > 1: where the model's pad token is,
@@ -86,15 +89,22 @@ def generate(
     compile="cpp-wrapper": the same with the code that calls the compiled kernels in C++ rather than Python
     (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """
+    check_model(model)
     criteria = _stopping_criteria(model, stop_strings, tokenizer, stopping_criteria)
+    eos_token_id = stop_token_list(eos_token_id)  # a generator of them read once, here
+    _check_callers_objects(streamer, logits_processor, packed_linear)
+    prompts, layout = _prompts(input_ids, attention_mask, _inferred_padding(model, eos_token_id, pad_token_id))
+    width = layout.shape[1] if layout is not None else max(len(prompt) for prompt in prompts)
+    max_new_tokens = _new_tokens(model, max_new_tokens, width)
+    if do_sample is None:
+        do_sample = bool(getattr(model.generation_config, "do_sample", None))
     params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
                            repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers), criteria)
-    eos_token_id = params.eos_token_id  # a generator of them read once, there
     check_params(model, params)
     pad = pad_id(model, eos_token_id) if pad_token_id is None else pad_token_id
     if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
-        raise ValueError(f"pad_token_id must be a token id (an integer >= 0) or None, got {pad_token_id!r}")
-    prompts, layout = _prompts(input_ids, attention_mask, _inferred_padding(model, eos_token_id, pad_token_id))
+        given = "pad_token_id" if pad_token_id is not None else "the model's pad token (generation config)"
+        raise ValueError(f"{given} must be a token id (an integer >= 0) or None, got {pad!r}")
     checked = [check_request(model, prompt, max_new_tokens) for prompt in prompts]
     if len(checked) > 1 and streamer is not None:
         raise ValueError("streamer takes one sequence: pass one prompt, or no streamer")
@@ -165,7 +175,8 @@ def _stopping_criteria(model: PreTrainedModel, stop_strings: str | Sequence[str]
 def _prompts(input_ids, attention_mask: torch.Tensor | None, padding: int | None
              ) -> tuple[list, torch.Tensor | None]:
     """The prompts of a call, and the input tensor the output keeps (None for a list of prompts). Without
-    an attention mask, the `padding` tokens of a batch (B > 1) are padding, as `generate` infers them."""
+    an attention mask, the `padding` tokens of a [B, n] tensor are padding, as `generate` infers them (a 1-D
+    prompt is taken whole)."""
     if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, torch.Tensor)):
         if attention_mask is not None:
             raise ValueError("attention_mask goes with a [B, n] tensor of input_ids, not with a list of prompts")
@@ -178,11 +189,14 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None, padding: int | None
     if ids.shape[0] == 0:
         raise ValueError(f"input_ids holds no prompt (shape {list(ids.shape)}): give at least one")
     if attention_mask is None:
-        if padding is None or ids.shape[0] == 1 or not bool((ids == padding).any()):
+        if padding is None or not bool((ids == padding).any()):
             return list(ids), ids.to(torch.long).cpu()
         mask, given = (ids != padding).to(torch.long), " (inferred from the pad token, as generate does)"
     else:
-        mask, given = torch.as_tensor(attention_mask), ""
+        try:
+            mask, given = torch.as_tensor(attention_mask), ""
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"attention_mask must be a tensor of 0 and 1, got {attention_mask!r:.60}") from None
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask must have the shape of input_ids {list(ids.shape)}, got {list(mask.shape)}")
         if not bool(((mask == 0) | (mask == 1)).all()):
@@ -196,6 +210,40 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None, padding: int | None
         raise ValueError(f"attention_mask{given} leaves row {int(empty[0])} without a token: every prompt "
                          "needs at least one")
     return [row[keep.bool()] for row, keep in zip(ids, mask)], ids.to(torch.long).cpu()
+
+
+# max_new_tokens where neither the call nor the model's generation config sets a length
+DEFAULT_NEW_TOKENS = 128
+
+
+def _new_tokens(model: PreTrainedModel, max_new_tokens: int | None, width: int) -> int:
+    """max_new_tokens, or where it is None what `model.generate` takes from the model's generation config: its
+    max_new_tokens, else its max_length less the input's `width` (positions, padding included); else
+    DEFAULT_NEW_TOKENS."""
+    if max_new_tokens is not None:
+        return max_new_tokens
+    config = model.generation_config
+    if getattr(config, "max_new_tokens", None) is not None:
+        return config.max_new_tokens
+    length = getattr(config, "max_length", None)
+    if length is None:
+        return DEFAULT_NEW_TOKENS
+    if isinstance(length, bool) or not isinstance(length, int) or length <= width:
+        raise ValueError(f"max_new_tokens is unset and the model's generation config sets max_length={length!r}, "
+                         f"which leaves no room after the input's {width} positions: pass max_new_tokens")
+    return length - width
+
+
+def _check_callers_objects(streamer, logits_processor, packed_linear) -> None:
+    """Raise, naming the argument, for objects of the wrong kind that would otherwise fail deep inside."""
+    if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+        raise TypeError(f"streamer must be a transformers streamer (with put() and end()), got {type(streamer).__name__}")
+    if logits_processor is not None and (callable(logits_processor) and not isinstance(logits_processor, list)
+                                         or not isinstance(logits_processor, Iterable)):
+        raise TypeError("logits_processor must be a list of transformers LogitsProcessor (a LogitsProcessorList "
+                        f"too), got {type(logits_processor).__name__}")
+    if packed_linear is not None and not isinstance(packed_linear, bool):
+        raise TypeError(f"packed_linear must be True, False or None, got {packed_linear!r}")
 
 
 def _inferred_padding(model: PreTrainedModel, eos_token_id, pad_token_id: int | None) -> int | None:

@@ -42,7 +42,7 @@ GENERATE_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_
 # Generation-config options that take `generate` away from greedy search or sampling, with the value that
 # leaves them off.
 UNSUPPORTED_CONFIG = {"num_beams": 1, "penalty_alpha": None, "dola_layers": None, "guidance_scale": 1,
-                      "watermarking_config": None}
+                      "watermarking_config": None, "num_return_sequences": 1}
 
 
 @dataclass(frozen=True)
