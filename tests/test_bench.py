@@ -363,3 +363,20 @@ def test_the_load_table_says_when_every_request_without_lookahead_failed():
     worked = LoadRun("auto", 2, 4, 0, 1.0, 40, 20, 0.1, 0.2, 0.01, 0.02)
     table = load_table([failed, worked])
     assert "| off | 2 | 4 | 4 | 0.0 | – |" in table and "| auto | 2 | 4 | 0 | 40.0 | – |" in table
+
+
+def test_the_bench_decodes_greedily_whatever_the_models_generation_config_asks_for():
+    """`generate` samples where the model's generation config says do_sample=True; the bench's greedy runs of
+    ours must not, or they would differ from the greedy baselines they are compared with."""
+    from conftest import make_tiny_model
+
+    from lookahead import LookaheadConfig
+    from lookahead.bench.runner import Method, run_method
+
+    model = make_tiny_model("llama")
+    model.generation_config.do_sample = True
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
+    expected = reference_greedy(make_tiny_model("llama"), prompt, 12, eos_token_id=[])[0, prompt.shape[1]:].tolist()
+    model.generation_config.eos_token_id = []
+    for method in (Method("plain", "plain"), Method("lookahead", "lookahead", LookaheadConfig(3, 3, 3))):
+        assert run_method(model, method, prompt, 12)[0] == expected, method

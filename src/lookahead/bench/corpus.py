@@ -38,9 +38,10 @@ def corpus_runs(
     for name, text in documents.items():
         first_ids, second_ids = (encode_prompt(tokenizer, f"{instruction}\n\n{text}") for instruction in PAIRS[pair])
         corpus = Corpus()
-        first = generate(model, first_ids, max_new_tokens=max_new_tokens, corpus=corpus)
-        shared = generate(model, second_ids, max_new_tokens=max_new_tokens, corpus=corpus)
-        alone = generate(model, second_ids, max_new_tokens=max_new_tokens)
+        greedy = {"max_new_tokens": max_new_tokens, "do_sample": False}
+        first = generate(model, first_ids, corpus=corpus, **greedy)
+        shared = generate(model, second_ids, corpus=corpus, **greedy)
+        alone = generate(model, second_ids, **greedy)
         runs.append(CorpusRun(name, first.stats, alone.stats, shared.stats, bool((alone.sequences == shared.sequences).all())))
     return runs
 

@@ -36,7 +36,7 @@ def sweep(
         new = steps = fed = 0
         seconds = 0.0
         for input_ids in prompts:
-            stats = generate(model, input_ids, max_new_tokens=max_new_tokens, config=config).stats
+            stats = generate(model, input_ids, max_new_tokens=max_new_tokens, config=config, do_sample=False).stats
             new, steps, fed, seconds = new + stats.new_tokens, steps + stats.steps, fed + stats.tokens_fed, seconds + stats.seconds
         points.append(SweepPoint(window, ngram, guess, fed / steps, new / steps, seconds))
     return points

@@ -110,6 +110,8 @@ def run_method(
         config = method.config or PLAIN_CONFIG
         if sampling is not None:
             options.update(do_sample=True, generator=torch.Generator().manual_seed(seed))
+        else:  # greedy, whatever the model's generation config asks for (as the greedy baselines are)
+            options["do_sample"] = False
         out = generate(model, input_ids, max_new_tokens=max_new_tokens, config=config, compile=method.compile, **options)
         s = out.stats
         return (out.sequences[0, prompt_len:].tolist(), s.steps, s.seconds, s.forward_seconds, s.tokens_fed,
