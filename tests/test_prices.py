@@ -141,14 +141,14 @@ def test_the_engine_stops_proposing_where_its_timed_steps_show_that_drafts_do_no
     same, in the second; exact in both."""
     from lookahead.hf import HFModelRunner
 
-    forward = HFModelRunner.forward
+    forward = HFModelRunner.step_logits  # every forward of the engine's
 
     def timed(self, store, batch, argmax_only=False):
         logits = forward(self, store, batch, argmax_only)
         time.sleep(step_seconds + row_seconds * (batch.height - 1))
         return logits
 
-    monkeypatch.setattr(HFModelRunner, "forward", timed)
+    monkeypatch.setattr(HFModelRunner, "step_logits", timed)
     prompt = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
     expected = reference_greedy(llama_tiny, prompt, 160, eos_token_id=[])  # no stop: enough drafted steps to judge
     config = dataclasses.replace(AUTO_CONFIG, window=0)  # the oracle's drafts alone decide the height

@@ -385,7 +385,7 @@ def test_a_failed_step_fails_its_requests_not_those_waiting_for_a_slot(default_m
     app = create_app(model, tokenizer, model_name=MODEL, max_batch=1, max_queue=4, max_length=256, api_keys=KEYS)
     with serve_in_thread(app) as url:
         loop = app.state.engine_loop
-        forward, calls = loop.engine.runner.forward, []
+        forward, calls = loop.engine.runner.step_logits, []
 
         def failing(*args, **kwargs):
             calls.append(1)
@@ -398,7 +398,7 @@ def test_a_failed_step_fails_its_requests_not_those_waiting_for_a_slot(default_m
                 raise RuntimeError("out of memory (simulated)")
             return forward(*args, **kwargs)
 
-        monkeypatch.setattr(loop.engine.runner, "forward", failing)
+        monkeypatch.setattr(loop.engine.runner, "step_logits", failing)  # every forward of the engine's
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(lambda: client(url).chat.completions.create(model=MODEL, messages=HI, max_tokens=8,
                                                                             temperature=0))

@@ -463,7 +463,7 @@ class Engine:
         never kept)."""
         batch = pack_steps([r.slot for r, _ in chunks], [r.prefilled for r, _ in chunks],
                            [causal_step(r.prompt[r.prefilled : r.prefilled + c]) for r, c in chunks])
-        self.runner.forward(self.store, batch)
+        self.runner.step_logits(self.store, batch)
         self._prompts_fed(chunks)
 
     def _prompts_fed(self, chunks: list[tuple[_Request, int]]) -> None:
