@@ -57,7 +57,7 @@ def generate(
     sequence of a batch in turn).
 
     input_ids: one prompt ([n] or [1, n]); a batch [B, n], left-padded where `attention_mask` (transformers'
-    convention, 1 for a token, 0 for padding) says so (without one, B > 1: where the model's pad token is,
+    convention, 1 for a token, 0 for padding) says so (without one, any B: where the model's pad token is,
     unless it is a stop token, as `generate` infers it); or a list of 1-D prompts of any lengths. The batch is
     decoded together by an `Engine` (batch size 1 too). `sequences`: for a tensor, the input followed by the
     new tokens, [B, n + T], right-padded with the pad id after a sequence stops; for a list, each prompt
