@@ -189,3 +189,32 @@ def test_steps_stay_inside_a_context_of_learned_positions(config, drafts_always)
     assert out.sequences.shape[1] == 96
     assert out.sequences.tolist() == expected.tolist()
     assert out.stats.steps < 24  # drafts were accepted, up to the end
+
+
+class BansInPlace:
+    """A user's processor that edits the scores it is handed, as many hand-written ones do."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[:, self.token] = -float("inf")
+        return scores
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["auto", "W3N3G3"])
+def test_a_processor_editing_its_scores_in_place_works_as_in_generate(config):
+    """Alone and in a batch (where some steps are ragged and some are not): the scores a processor gets are
+    its own to write, and writing them changes no other node's."""
+    model = make_tiny_model("llama")
+    banned = free_run()[0]
+    ids, mask = _left_padded([PROMPT[0].tolist(), [11, 12, 13, 5, 6]], 0)
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, eos_token_id=[],
+                              logits_processor=[BansInPlace(banned)])
+    assert banned not in expected[0, ids.shape[1]:].tolist()
+    alone = generate(model, PROMPT, max_new_tokens=NEW, config=config, eos_token_id=[],
+                     logits_processor=[BansInPlace(banned)])
+    assert alone.sequences[0].tolist() == expected[0, ids.shape[1] - PROMPT.shape[1]:].tolist()
+    batch = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, config=config, eos_token_id=[],
+                     logits_processor=[BansInPlace(banned)])
+    assert batch.sequences.tolist() == expected.tolist()

@@ -234,10 +234,11 @@ class LookaheadDecoder:
     def _scores(self, row: torch.Tensor, accepted: list[int]) -> torch.Tensor:
         """A node's scores: its logits `row` in float32 (as transformers' `generate` hands them to its processors:
         a bfloat16 row would round what they compute), transformed given the committed tokens and `accepted`
-        below it."""
-        row = row.float()
+        below it. A transform gets a copy: processors may write the scores they are handed, as they may in
+        `generate`."""
         if self.transform is None:
-            return row
+            return row.float()
+        row = row.to(torch.float32, copy=True)
         context = torch.tensor(self.sequence + accepted, device=row.device).view(1, -1)
         return self.transform(context, row.view(1, -1))[0]
 
