@@ -460,6 +460,22 @@ def test_the_bearer_scheme_is_case_insensitive_and_blank_keys_are_refused(server
     for key in ("", " key-a", "key a"):  # "" would let requests without a key in
         with pytest.raises(ValueError, match="an API key must be a non-empty string without spaces"):
             create_app(model, tokenizer, api_keys=("key-b", key))
+    with pytest.raises(ValueError, match="max_megabytes must be a number > 0, got -1"):
+        create_app(model, tokenizer, corpus_megabytes=-1)  # refused at once, not at the first request
+
+
+def test_a_server_without_a_corpus_decodes_as_with_one(default_model):
+    model, tokenizer = default_model
+    app = create_app(model, tokenizer, model_name=MODEL, max_batch=1, max_queue=4, max_length=256,
+                     corpus_megabytes=0)
+    prompt = "The capital of France is"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    expected = tokenizer.decode(reference_greedy(model, ids, 12)[0, ids.shape[1]:], skip_special_tokens=True)
+    with serve_in_thread(app) as url:
+        for _ in range(2):  # the second would draft from the first's reply, had it a corpus
+            reply = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+            assert reply.choices[0].text == expected
+    assert app.state.corpora == {}
 
 
 def test_a_slot_freed_while_a_step_runs_is_free_for_a_request_that_arrived_meanwhile(default_model, monkeypatch):
@@ -611,7 +627,8 @@ def test_the_serve_command_starts_on_the_default_model():
     command = shutil.which("lookahead", path=str(Path(sys.executable).parent))
     # One thread, as each test worker runs: the server reads the cost curves the workers measured instead of
     # measuring its own on two threads beside them (103 s to answer in a fresh CI run, of a 120 s deadline).
-    process = subprocess.Popen([command, "serve", "--port", str(port), "--max-batch", "2", "--threads", "1"],
+    process = subprocess.Popen([command, "serve", "--port", str(port), "--max-batch", "2", "--threads", "1",
+                                "--corpus-mb", "8"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120

@@ -119,10 +119,18 @@ def test_bytes_per_token_bounds_the_automaton_memory():
     assert used / 20000 <= BYTES_PER_TOKEN
 
 
-@pytest.mark.parametrize("value", [0, -1, "8", True])
+@pytest.mark.parametrize("value", [0, -1, "8", True, float("nan"), float("inf")])
 def test_corpus_cap_must_be_positive(value):
     with pytest.raises(ValueError, match="max_megabytes must be a number > 0"):
         Corpus(max_megabytes=value)
+
+
+def test_a_corpus_cap_too_small_for_one_token_is_refused_and_the_smallest_holds_one():
+    with pytest.raises(ValueError, match=r"max_megabytes must hold at least one token \(0.0011 MB"):
+        Corpus(max_megabytes=1.5 * BYTES_PER_TOKEN / 2**20)  # room for 1 token: the separator alone
+    corpus = Corpus(max_megabytes=2 * BYTES_PER_TOKEN / 2**20)
+    corpus.add([5, 6, 7])
+    assert corpus.tokens == 2 and corpus.automaton.tokens[1:] == [7]  # the newest token, after its separator
 
 
 def _chain(other: list[int], text: list[int], longest: int) -> list[tuple[int, int]]:
@@ -273,11 +281,31 @@ def test_corpus_match_grows_past_64_tokens_and_restarts_from_the_last_64():
     assert source.propose(text, 3) == [Draft((181, 182, 183), "corpus", 64)]
 
 
-def test_a_corpus_rebuilt_between_observe_and_propose_does_not_garble_drafts():
+def test_a_corpus_rebuilt_between_observe_and_propose_is_matched_afresh():
     corpus = Corpus(max_megabytes=10 * BYTES_PER_TOKEN / 2**20)  # room for 10 tokens
     corpus.add([1, 2, 3, 4])
     source = SuffixProposer(corpus)
     text = [9, 1, 2]
     source.observe(text, len(text))
-    corpus.add([70, 71, 72, 73, 74, 75])  # evicts the first document and rebuilds, e.g. another request ended
-    assert [d.tokens for d in source.propose(text, 8)] == [(3, 4)]  # drafted from what the text was matched in
+    corpus.add([70, 1, 2, 73, 74, 75])  # evicts the first document and rebuilds, e.g. another request ended
+    assert source.propose(text, 8) == [Draft((73, 74, 75), "corpus", 2)]
+
+
+@given(documents=st.lists(texts, min_size=1, max_size=3), added=texts, text=texts)
+@settings(max_examples=200)
+def test_corpus_drafts_match_as_long_as_they_say_after_a_document_is_added_before_propose(documents, added, text):
+    """A document added in place splits automaton states under the text's last match; every corpus draft must
+    still continue an occurrence of the text's last `context` tokens (by brute force)."""
+    corpus = Corpus()
+    for document in documents:
+        corpus.add(document)
+    source = SuffixProposer(corpus)
+    source.observe(text, len(text))
+    corpus.add(added)
+    held = corpus.automaton.tokens
+    for draft in source.propose(text, 4):
+        if draft.source == "corpus":
+            pattern = text[len(text) - draft.context :] if draft.context <= len(text) else None
+            assert pattern is not None and any(
+                tuple(held[end + 1 : end + 1 + len(draft.tokens)]) == draft.tokens
+                for end in occurrences(held, pattern)), draft

@@ -692,6 +692,7 @@ def serve_command(
     max_queue: Annotated[int, typer.Option(min=0, help="Requests that may wait for a slot; more get 429.")] = 64,
     max_length: Annotated[Optional[int], typer.Option(min=2, help="Most positions of a request (default: the model's context, at most 4096).")] = None,
     api_key: Annotated[Optional[list[str]], typer.Option("--api-key", help="Accepted key (Authorization: Bearer KEY); repeat for several. Default: none needed.")] = None,
+    corpus_mb: Annotated[float, typer.Option(min=0, help="Memory cap (MB) of each API key's corpus: its earlier requests' text, which the suffix and recycle sources draft from. 0: no corpus.")] = 64,
     threads: ThreadsOption = None,
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decoding steps (their few shapes compile before the server starts serving).")] = False,
     cpp_wrapper: CppWrapperOption = False,
@@ -705,7 +706,7 @@ def serve_command(
     name = model or DEFAULT_MODEL_NAME
     try:
         server_app = create_app(lm, tokenizer, model_name=name, max_batch=max_batch, max_queue=max_queue,
-                                max_length=max_length, api_keys=tuple(api_key or ()),
+                                max_length=max_length, api_keys=tuple(api_key or ()), corpus_megabytes=corpus_mb,
                                 compile=_compile_mode(compile, cpp_wrapper))
     except (ValueError, MemoryError) as error:
         _fail(str(error))

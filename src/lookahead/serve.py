@@ -432,15 +432,18 @@ def _lookahead_config(value: str | dict[str, int]) -> LookaheadConfig:
 
 def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_name: str = "lookahead",
                max_batch: int = 8, max_queue: int = 64, max_length: int | None = None,
-               api_keys: tuple[str, ...] = (), corpus_megabytes: int = 64, compile: bool | str = False) -> FastAPI:
+               api_keys: tuple[str, ...] = (), corpus_megabytes: float = 64, compile: bool | str = False) -> FastAPI:
     """The app: OpenAI's chat and text completions, models, health. Requests decode on one engine of
     `max_batch` slots; beyond `max_queue` waiting requests, new ones get 429. With `api_keys`, every
     request must carry one (`Authorization: Bearer KEY`); each key has a corpus of its own (the suffix
-    and recycle sources draft from earlier requests of the same key, never of another one). compile: as in `generate`;
+    and recycle sources draft from earlier requests of the same key, never of another one), of at most
+    `corpus_megabytes` (0: none). compile: as in `generate`;
     the step shapes compile before the app is returned (`Engine.warm_up`: minutes on a small CPU)."""
     for key in api_keys:  # a blank key would let requests without one in; a padded one could never match
         if not isinstance(key, str) or not key or key != key.strip() or " " in key:
             raise ValueError(f"an API key must be a non-empty string without spaces, got {key!r}")
+    if corpus_megabytes != 0:
+        Corpus(max_megabytes=corpus_megabytes)  # a cap that no corpus could take fails here, not at a request
     engine = Engine(model, max_batch=max_batch, max_length=max_length, compile=compile)
     engine.warm_up()  # compiled steps: their shapes compile now, not during the first requests
     runner = EngineLoop(engine, max_queue)
@@ -502,7 +505,9 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         return asked
 
     def params_of(body: RequestBody, key: str | None, prompt: torch.Tensor) -> RequestParams:
-        corpus = corpora.setdefault(key, Corpus(max_megabytes=corpus_megabytes))
+        if corpus_megabytes and key not in corpora:
+            corpora[key] = Corpus(max_megabytes=corpus_megabytes)
+        corpus = corpora.get(key)
         return RequestParams(max_new_tokens=new_tokens(body, prompt), config=_lookahead_config(body.lookahead),
                              do_sample=body.temperature > 0, temperature=body.temperature or None,
                              top_p=body.top_p, top_k=0, seed=body.seed if body.temperature > 0 else None,

@@ -3,6 +3,7 @@ O(1) per appended token, and its continuation as a draft of any length."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -137,9 +138,13 @@ class Corpus:
     KEPT_AFTER_EVICTION = 0.75
 
     def __init__(self, max_megabytes: float = 64.0) -> None:
-        if isinstance(max_megabytes, bool) or not isinstance(max_megabytes, (int, float)) or max_megabytes <= 0:
+        if (isinstance(max_megabytes, bool) or not isinstance(max_megabytes, (int, float))
+                or not 0 < max_megabytes < math.inf):
             raise ValueError(f"max_megabytes must be a number > 0, got {max_megabytes!r}")
         self.max_tokens = int(max_megabytes * 2**20 / BYTES_PER_TOKEN)
+        if self.max_tokens < 2:  # a separator and one token
+            raise ValueError(f"max_megabytes must hold at least one token ({2 * BYTES_PER_TOKEN / 2**20:.4f} MB, "
+                             f"at {BYTES_PER_TOKEN} bytes a token), got {max_megabytes!r}")
         self._documents: deque[tuple[int, ...]] = deque()
         self.automaton = SuffixAutomaton()
         self.successors = SuccessorTable()
@@ -219,15 +224,22 @@ class SuffixProposer:
     def observe(self, text: Sequence[int], new: int) -> None:
         tokens = text[len(text) - new :]
         self.own.extend(tokens)
-        if self.corpus is None:
-            return
-        if self._corpus_version != self.corpus.version:  # a new or rebuilt corpus: match the text's end afresh
-            self._cursor = MatchCursor(self.corpus.automaton)
-            self._corpus_version = self.corpus.version
-            tokens = text[-64:]
-        self._cursor.feed(tokens)
+        if self.corpus is not None and not self._rematched(text):
+            self._cursor.feed(tokens)
+
+    def _rematched(self, text: Sequence[int]) -> bool:
+        """Whether the corpus changed since the text was last matched in it, and its end was matched afresh:
+        a document added in place splits automaton states, which leaves an old cursor's lengths wrong."""
+        if self._corpus_version == self.corpus.version:
+            return False
+        self._cursor = MatchCursor(self.corpus.automaton)
+        self._corpus_version = self.corpus.version
+        self._cursor.feed(text[-64:])
+        return True
 
     def propose(self, text: Sequence[int], limit: int) -> list[Draft]:
+        if self.corpus is not None:
+            self._rematched(text)  # e.g. another request ended and added its text since this one's last step
         drafts: list[Draft] = []
         seen: set[tuple[int, ...]] = set()
         found = [(self.own.tokens, length, end, "suffix") for length, end in self.own.earlier_matches(self.branches)]
