@@ -218,3 +218,73 @@ def test_a_processor_editing_its_scores_in_place_works_as_in_generate(config):
     batch = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, config=config, eos_token_id=[],
                      logits_processor=[BansInPlace(banned)])
     assert batch.sequences.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["auto", "W3N3G3"])
+def test_scores_and_logits_are_generates(config):
+    """`output_scores` / `output_logits` as `generate` returns them, for a batch whose first row stops early:
+    the scores after a processor (repetition penalty: they differ from the logits), the raw logits, and
+    past a row's end the pad token certain."""
+    model = make_tiny_model("llama")
+    model.generation_config.repetition_penalty = 1.5
+    ids, mask = _left_padded([PROMPT[0].tolist(), [11, 12, 13, 5, 6]], 0)
+    with torch.inference_mode():
+        free = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, eos_token_id=[])
+    first, second = free[:, ids.shape[1]:].tolist()
+    end = next(i for i in range(3, NEW // 2) if first[i] not in second and first[i] not in first[:i]) + 1
+    stop = first[end - 1]  # ends the first row only, after `end` tokens
+    with torch.inference_mode():
+        expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, eos_token_id=stop,
+                                  output_scores=True, output_logits=True, return_dict_in_generate=True)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, config=config, eos_token_id=stop,
+                   output_scores=True, output_logits=True)
+    assert out.sequences.tolist() == expected.sequences.tolist()
+    assert len(out.scores) == len(out.logits) == len(expected.scores) == NEW
+    ours, theirs = torch.stack(out.scores), torch.stack(expected.scores)
+    assert not torch.equal(torch.stack(expected.logits), theirs)
+    torch.testing.assert_close(ours[:, 1], theirs[:, 1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.stack(out.logits)[:, 1], torch.stack(expected.logits)[:, 1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours[:end, 0], theirs[:end, 0], rtol=1e-4, atol=1e-4)  # up to its stop token
+    pad = model.generation_config.pad_token_id
+    assert (ours[end:, 0, pad] == 0).all() and (ours[end:, 0].isinf().sum(dim=-1) == ours.shape[-1] - 1).all()
+    transition = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    assert (transition[0, end:] == 0).all() and (transition[:, :end] < 0).all()
+
+
+def test_scores_are_refused_unless_asked_with_a_bool():
+    with pytest.raises(ValueError, match="output_scores must be a bool, got 1"):
+        generate(make_tiny_model("llama"), PROMPT, max_new_tokens=2, output_scores=1)
+
+
+class Oracle:
+    """Drafts the next 4 tokens of a known output: every step accepts deep tree nodes."""
+
+    name = "oracle"
+
+    def __init__(self, output: list[int]) -> None:
+        self.output = output
+
+    def propose(self, text: list[int], limit: int):
+        from lookahead.core.drafts import Draft
+
+        following = self.output[len(text) : len(text) + min(limit, 4)]
+        return [Draft(tuple(following), self.name)] if following else []
+
+    def observe(self, text: list[int], new: int) -> None:
+        pass
+
+
+def test_scores_of_tokens_accepted_deep_in_the_tree_are_generates():
+    """Each token's scores come from the row of the accepted node before it, with that node's own prefix
+    seen by the processors (a repetition penalty)."""
+    model = make_tiny_model("llama")
+    model.generation_config.repetition_penalty = 1.5
+    with torch.inference_mode():
+        expected = model.generate(PROMPT, do_sample=False, max_new_tokens=NEW, eos_token_id=[], output_scores=True,
+                                  output_logits=True, return_dict_in_generate=True)
+    out = generate(model, PROMPT, max_new_tokens=NEW, config=CONFIGS[1], eos_token_id=[], output_scores=True,
+                   output_logits=True, proposers=[Oracle(expected.sequences[0].tolist())])
+    assert out.sequences.tolist() == expected.sequences.tolist()
+    assert out.stats.tokens_per_step == 3  # two drafted tokens accepted every step (the config drafts 2)
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(expected.scores), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), rtol=1e-4, atol=1e-4)

@@ -110,7 +110,9 @@ class RequestParams:
     output are added to it when it finishes. proposers: more draft sources, owned by this request.
     stopping_criteria: transformers `StoppingCriteria` (e.g. `StopStringCriteria`), each called as `generate`
     calls it, on the prompt and the new tokens so far ([1, n]; `scores` None), after every new token: the
-    request ends at the first token for which one says True, that token kept."""
+    request ends at the first token for which one says True, that token kept. output_scores, output_logits: each
+    step's output carries its tokens' scores (the logits as processed for picking them, as `generate`'s
+    `output_scores`) or logits (float32, as its `output_logits`)."""
 
     max_new_tokens: int = 128
     config: LookaheadConfig | None = None
@@ -126,6 +128,8 @@ class RequestParams:
     corpus: Corpus | None = None
     proposers: Sequence[Proposer] = ()
     stopping_criteria: Sequence[StoppingCriterion] | None = ()
+    output_scores: bool = False
+    output_logits: bool = False
 
     def __post_init__(self) -> None:  # a generator of stop tokens is read once, here, not at each use
         object.__setattr__(self, "eos_token_id", stop_token_list(self.eos_token_id))
@@ -143,6 +147,8 @@ class StepOutput:
     finished: bool
     stats: GenerationStats | None = None  # the request's, once finished
     error: Exception | None = None  # what ended it early: its decoding rule raised (e.g. a logits processor)
+    scores: torch.Tensor | None = None  # RequestParams.output_scores: [len(tokens), vocab], a row per token
+    logits: torch.Tensor | None = None  # RequestParams.output_logits: the same, of the raw logits
 
 
 @dataclass
@@ -234,7 +240,8 @@ class Engine:
         decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform,
                                    corpus=params.corpus, cost=self.cost, proposers=params.proposers,
                                    stats=acceptance_stats(self.model, rule.choose is not None),
-                                   context=context_length(self.model), vocabulary=vocabulary_size(self.model))
+                                   context=context_length(self.model), vocabulary=vocabulary_size(self.model),
+                                   keep_scores=params.output_scores or params.output_logits)
         request = _Request(self._next_id, prompt, params, decoder, set(stops),
                            GenerationStats(window=decoder.window.width),
                            padding=torch.as_tensor(padding, dtype=torch.long).view(-1).cpu())
@@ -331,20 +338,22 @@ class Engine:
             pick = batch.picks[row]
             if request.id in self._proposal_errors:
                 failed[request.id] = self._proposal_errors.pop(request.id)
-                outputs.append([request, [], True])
+                outputs.append([request, [], True, None, None])
                 continue
             try:
                 result = request.decoder.update(plan, logits.of(row, pick))
                 tokens, finished = self._stop(request, result.tokens)
             except Exception as error:  # noqa: BLE001 - its own rules (a user's processor or criterion) failed: it alone ends
                 failed[request.id] = error
-                outputs.append([request, [], True])
+                outputs.append([request, [], True, None, None])
                 continue
             committed += len(result.tokens)
             request.stats.steps += 1
             request.stats.tokens_fed += plan.layout.size
             request.stats.accepted_per_step.append(len(tokens))
-            outputs.append([request, tokens, finished])
+            kept_scores = (result.scores[: len(tokens)] if request.params.output_scores else None,
+                           result.logits[: len(tokens)] if request.params.output_logits else None)
+            outputs.append([request, tokens, finished, *kept_scores])
             if not finished:
                 kept.append((request.slot, result.kept_rows))
         self._laps("verify")
@@ -355,16 +364,16 @@ class Engine:
         for slot, rows in kept:
             self.store.keep(slot, rows)
         self._laps("commit")
-        self.stats.accepted_per_step.append(sum(len(tokens) for _, tokens, _ in outputs))
+        self.stats.accepted_per_step.append(sum(len(output[1]) for output in outputs))
         self.stats.new_tokens += self.stats.accepted_per_step[-1]
         reports = []
-        for request, tokens, finished in outputs:
+        for request, tokens, finished, scores, logits in outputs:
             if request.id in failed:
                 self._free(request)
                 reports.append(StepOutput(request.id, [], True, error=failed[request.id]))
                 continue
             stats = self._finish(request) if finished else None
-            reports.append(StepOutput(request.id, tokens, finished, stats))
+            reports.append(StepOutput(request.id, tokens, finished, stats, scores=scores, logits=logits))
         self.stats.forward_seconds = self.runner.forward_seconds
         self.stats.compile_seconds = sum(self.runner.compile_seconds.values())
         return reports
@@ -601,6 +610,9 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
                for p in params.proposers):
         raise TypeError("proposers must be draft sources with propose(text, limit) and observe(text, new) "
                         "(lookahead.core.drafts.Proposer)")
+    for name in ("output_scores", "output_logits"):
+        if not isinstance(getattr(params, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(params, name)!r}")
     eos_ids(model, params.eos_token_id)
     check_decoding_options(model, params.decoding(params.generator))
     return config

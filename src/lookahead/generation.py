@@ -22,6 +22,9 @@ from .hf import check_model
 class GenerateOutput:
     sequences: torch.LongTensor  # [B, n + T]
     stats: GenerationStats
+    # output_scores / output_logits: T tensors [B, vocab], as transformers' `generate` returns them.
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
 
 
 def generate(
@@ -47,6 +50,8 @@ def generate(
     stop_strings: str | Sequence[str] | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
     stopping_criteria: Sequence[StoppingCriterion] | None = None,
+    output_scores: bool = False,
+    output_logits: bool = False,
 ) -> GenerateOutput:
     """Decoding with lookahead. Greedy gives `model.generate(do_sample=False)`'s output token for token;
     sampling (`do_sample=True`) draws from the same distribution as `model.generate(do_sample=True)` with the
@@ -73,7 +78,11 @@ def generate(
     token (as `generate`). stop_strings (None: the model's generation config's), with the model's `tokenizer`,
     and stopping_criteria (transformers `StoppingCriteria`; `scores` reach them as None): as in `generate`, a
     sequence ends at the first token that completes a stop string or that a criterion stops at, that token
-    kept (`RequestParams.stopping_criteria`). streamer: any transformers streamer (one prompt only); it gets the prompt, then every
+    kept (`RequestParams.stopping_criteria`). output_scores, output_logits: `out.scores` / `out.logits` as in
+    `generate(..., return_dict_in_generate=True)`: per new token position a [B, vocab] float32 tensor, the scores
+    each token was picked from (its logits after the processors and warpers) or the raw logits; a row whose
+    sequence has stopped holds 0 for the pad token and -inf elsewhere (`generate` would run the model on
+    its pad tokens), so that `model.compute_transition_scores` gives 0 there. streamer: any transformers streamer (one prompt only); it gets the prompt, then every
     committed token. packed_linear: run the model's linear layers in eager steps on prepacked weights (CPU:
     MKL's for float32, oneDNN's for float32 or bfloat16; None: the packer and the step sizes that measured
     faster on this machine); see `hf.PackedLinears`. compile: run decoding steps through `torch.compile` of the
@@ -99,7 +108,8 @@ def generate(
     if do_sample is None:
         do_sample = bool(getattr(model.generation_config, "do_sample", None))
     params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
-                           repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers), criteria)
+                           repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers), criteria,
+                           output_scores, output_logits)
     check_params(model, params)
     pad = pad_id(model, eos_token_id) if pad_token_id is None else pad_token_id
     if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
@@ -117,6 +127,7 @@ def generate(
     ids = [engine.add_request(prompt, params, () if layout is None else layout[row, : layout.shape[1] - prompt.numel()])
            for row, prompt in enumerate(checked)]
     generated: dict[int, list[int]] = {i: [] for i in ids}
+    rows: dict[str, dict[int, list[torch.Tensor]]] = {"scores": {i: [] for i in ids}, "logits": {i: [] for i in ids}}
     finished: dict[int, GenerationStats] = {}
     if streamer is not None:
         streamer.put(checked[0].view(1, -1))
@@ -126,6 +137,9 @@ def generate(
                 if output.error is not None:
                     raise output.error
                 generated[output.request_id].extend(output.tokens)
+                for kind in ("scores", "logits"):
+                    if getattr(output, kind) is not None:
+                        rows[kind][output.request_id].append(getattr(output, kind))
                 if streamer is not None and output.tokens:
                     streamer.put(torch.tensor(output.tokens))
                 if output.finished:
@@ -147,7 +161,21 @@ def generate(
         width = max(map(len, outputs))
         new = torch.tensor([output + [pad] * (width - len(output)) for output in outputs], dtype=torch.long)
         sequences = torch.cat([layout, new.view(len(outputs), width)], dim=1)
-    return GenerateOutput(sequences, stats)
+    return GenerateOutput(sequences, stats, *(_per_position(rows[kind], ids, pad, width) if wanted else None
+                                              for kind, wanted in (("scores", output_scores),
+                                                                   ("logits", output_logits))))
+
+
+def _per_position(rows: dict[int, list[torch.Tensor]], ids: list[int], pad: int, width: int
+                  ) -> tuple[torch.Tensor, ...]:
+    """Each request's per-step [tokens, vocab] rows as `width` tensors [B, vocab], one per new token position;
+    past a sequence's end, the pad token at 0 and -inf elsewhere."""
+    per_sequence = [torch.cat(rows[i]) for i in ids]
+    out = torch.full((width, len(ids), per_sequence[0].shape[-1]), -float("inf"))
+    out[:, :, pad] = 0.0
+    for b, sequence in enumerate(per_sequence):
+        out[: sequence.shape[0], b] = sequence
+    return tuple(out.unbind(0))
 
 
 def _stopping_criteria(model: PreTrainedModel, stop_strings: str | Sequence[str] | None,

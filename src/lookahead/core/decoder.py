@@ -55,6 +55,10 @@ NO_PROPOSAL = Proposal([], RankedNodes([], [], []))
 class StepResult:
     tokens: list[int]  # committed this step, in order
     kept_rows: torch.Tensor  # rows of the step whose KV entries belong to the committed sequence
+    # With `keep_scores`: per committed token, the float32 logits it was picked from and its scores (the
+    # logits transformed as the decoding rule saw them), [len(tokens), vocab] each.
+    logits: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
 
 class LookaheadDecoder:
@@ -65,7 +69,8 @@ class LookaheadDecoder:
     suffix and the recycle sources. stats: acceptance statistics to learn from and add to (the engine's are
     shared by every request on its model); None: this sequence's own. context: the model's context in positions, past
     which no row of a step is placed (None: no limit). vocabulary: the model's token ids are below it; a draft of
-    one of `proposers` outside it raises ValueError (None: unchecked)."""
+    one of `proposers` outside it raises ValueError (None: unchecked). keep_scores: each step's result carries
+    its committed tokens' logits and scores (the full float32 logits are then read, not their argmax alone)."""
 
     def __init__(
         self,
@@ -79,6 +84,7 @@ class LookaheadDecoder:
         stats: AcceptanceStats | None = None,
         context: int | None = None,
         vocabulary: int | None = None,
+        keep_scores: bool = False,
     ) -> None:
         if config.budget and cost is None:
             raise ValueError("a budgeted config needs the step cost curve (cost=)")
@@ -86,6 +92,7 @@ class LookaheadDecoder:
         self.context = context
         self.choose = choose
         self.transform = transform
+        self.keep_scores = keep_scores
         self.cost = cost if config.budget else None
         self.pool = NGramPool(config.ngram, config.guesses)
         pool = PoolProposer(self.pool)
@@ -110,7 +117,7 @@ class LookaheadDecoder:
     def argmax_only(self) -> bool:
         """Whether this sequence reads its logits for their argmax alone (greedy, nothing transforms them); the
         recycle source's other top tokens are drafts, right or wrong."""
-        return self.choose is None and self.transform is None
+        return self.choose is None and self.transform is None and not self.keep_scores
 
     def propose(self) -> Proposal:
         """Every source's drafts for the next step, merged and ranked."""
@@ -179,7 +186,13 @@ class LookaheadDecoder:
         verdict = walk_tree(plan.tree, lambda node, accepted: self._scores(
                                 logits[0 if node == ROOT else 1 + width + node], accepted),
                             self.choose or greedy_choice, len(self.sequence))
-        return self._commit(plan, verdict, top[1 : 1 + width, 0].tolist())  # greedy Jacobi
+        if not self.keep_scores:
+            return self._commit(plan, verdict, top[1 : 1 + width, 0].tolist())  # greedy Jacobi
+        # Each committed token came from the root's row, then from the row of the accepted node before it.
+        rows = logits[[0] + [1 + width + node for node in verdict.nodes]].float()
+        scores = torch.stack([self._scores(row, verdict.tokens[:i]) for i, row in enumerate(rows)])
+        result = self._commit(plan, verdict, top[1 : 1 + width, 0].tolist())  # after scoring: it extends the sequence
+        return StepResult(result.tokens, result.kept_rows, rows, scores)
 
     def choices(self, plan: StepPlan, logits: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
         """The token each of some logit rows leads to: `places` index `plan.layout.logit_rows`, `logits` holds
