@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+import torch
 from conftest import reference_greedy
 
 from lookahead.prompts import encode_messages
@@ -189,9 +190,10 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
         ("chat", {"model": MODEL, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
          "'image_url'", "messages[0].content[1]"),
-        ("chat", {"model": MODEL, "messages": HI, "logprobs": True, "top_logprobs": 2}, 400, "not supported",
-         "logprobs"),
-        ("chat", {"model": MODEL, "messages": HI, "top_logprobs": 2}, 400, "not supported", "top_logprobs"),
+        ("chat", {"model": MODEL, "messages": HI, "logprobs": True, "top_logprobs": 21}, 400,
+         "less than or equal to 20", "top_logprobs"),
+        ("chat", {"model": MODEL, "messages": HI, "top_logprobs": 2}, 400, "top_logprobs needs logprobs set to true",
+         "top_logprobs"),
         ("chat", {"model": MODEL, "messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
          "not supported", "tools"),
         ("chat", {"model": MODEL, "messages": HI, "tool_choice": "required"}, 400, "not supported", "tool_choice"),
@@ -199,7 +201,8 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
          "response_format"),
         ("chat", {"model": MODEL, "messages": HI, "presence_penalty": 0.5}, 400, "not supported", "presence_penalty"),
         ("completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "not supported", "echo"),
-        ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 0}, 400, "not supported", "logprobs"),
+        ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "less than or equal to 5",
+         "logprobs"),
         ("completions", {"model": MODEL, "prompt": "hi", "suffix": "bye"}, 400, "not supported", "suffix"),
         ("completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "not supported", "best_of"),
         ("completions", {"model": MODEL, "prompt": "hi", "max_completion_tokens": 5}, 400, "text completions take "
@@ -218,8 +221,8 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
     ],
     ids=["no-messages", "messages-not-a-list", "n=2", "negative-max-tokens", "unknown-model", "oversized-messages",
          "oversized-prompt", "max-tokens-past-max-length", "max-completion-tokens-past-max-length", "bad-lookahead",
-         "seed-past-64-bits", "stream-options-without-stream", "user-content-null", "image-part", "logprobs",
-         "top-logprobs", "tools", "tool-choice", "json-response-format", "presence-penalty", "echo",
+         "seed-past-64-bits", "stream-options-without-stream", "user-content-null", "image-part",
+         "top-logprobs-past-20", "top-logprobs-without-logprobs", "tools", "tool-choice", "json-response-format", "presence-penalty", "echo",
          "completion-logprobs", "suffix", "best-of", "completion-max-completion-tokens", "stream-a-string",
          "temperature-a-boolean", "n-a-float", "include-usage-a-number", "stop-list-with-a-number",
          "lookahead-window-a-string", "role-a-number", "unknown-role"],
@@ -752,3 +755,86 @@ def test_the_page_streams_a_reply_with_live_speed_in_a_real_browser(server, defa
         assert tokens == int(seen[-1][0]) and rate > 0 and 1.0 <= per_step <= tokens
     finally:
         browser.quit()
+
+
+def _expected_logprobs(default_model, ids: torch.Tensor, tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens after `ids` and the model's log-probabilities at each ([tokens, vocab])."""
+    model, _ = default_model
+    with torch.inference_mode():
+        out = model.generate(ids, do_sample=False, max_new_tokens=tokens, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences[0, ids.shape[1]:].tolist(), torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+
+
+def test_chat_logprobs_are_the_models_streamed_or_not(server, default_model):
+    """Each token's log-probability and its 3 likeliest alternatives, as the model gives them (greedy: the
+    token is the likeliest); the tokens' bytes make up the reply; a stream carries the same entries."""
+    url, _ = server
+    _, tokenizer = default_model
+    question = {"role": "user", "content": "Name the largest planet of the solar system."}
+    tokens, expected = _expected_logprobs(default_model, encode_messages(tokenizer, [question]), 12)
+    reply = client(url).chat.completions.create(model=MODEL, messages=[question], max_tokens=12, temperature=0,
+                                                logprobs=True, top_logprobs=3)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == len(tokens) == reply.usage.completion_tokens
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == reply.choices[0].message.content
+    for entry, token, row in zip(entries, tokens, expected):
+        assert entry.logprob == pytest.approx(row[token].item(), abs=1e-3)
+        assert [bytes(t.bytes) for t in entry.top_logprobs] == [tokenizer.convert_tokens_to_string(
+            tokenizer.convert_ids_to_tokens([t])).encode() for t in row.topk(3).indices.tolist()]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(row.topk(3).values.tolist(), abs=1e-3)
+        assert entry.top_logprobs[0].logprob == entry.logprob  # greedy: the likeliest token
+    chunks = client(url).chat.completions.create(model=MODEL, messages=[question], max_tokens=12, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    # the second reply drafts from the first one (the corpus): steps of other heights, other float rounding
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)
+
+
+def test_completion_logprobs_in_the_legacy_format(server, default_model):
+    url, _ = server
+    _, tokenizer = default_model
+    prompt = "The three primary colours are"
+    tokens, expected = _expected_logprobs(default_model, tokenizer(prompt, return_tensors="pt")["input_ids"], 8)
+    reply = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(tokens))]
+    assert logprobs.token_logprobs == pytest.approx([row[t].item() for t, row in zip(tokens, expected)], abs=1e-3)
+    assert all(len(top) == 2 and max(top.values()) == chosen
+               for top, chosen in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    bare = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0)
+    assert bare.choices[0].logprobs.top_logprobs is None
+    assert bare.choices[0].logprobs.token_logprobs == pytest.approx(logprobs.token_logprobs, abs=1e-4)
+    stop = "".join(logprobs.tokens[4:6])  # completed by the sixth token: the reply counts six, its text four
+    cut = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                         stop=[stop])
+    assert cut.choices[0].text == "".join(logprobs.tokens[:4]) and cut.usage.completion_tokens == 6
+    assert cut.choices[0].logprobs.tokens == logprobs.tokens[:6]
+
+
+def test_token_bytes_add_up_to_the_text_where_tokens_split_characters(default_model):
+    """Byte-level pieces (the default tokenizer) and SentencePiece pieces with byte fallback: a token holding
+    part of a character has those bytes alone, and the tokens' bytes add up to the text's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from lookahead.serve import decodes_byte_level, token_bytes
+
+    _, tokenizer = default_model
+    text = "Caf\u00e9 \U0001F600 na\u00efve \u4e16\u754c"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert decodes_byte_level(tokenizer) and len(ids) > len(text.split())
+    assert b"".join(token_bytes(tokenizer, t, True) for t in ids) == text.encode()
+
+    vocab = [("<unk>", 0.0), ("\u2581a", -1.0), ("\u2581", -2.0)] + [(f"<0x{b:02X}>", -5.0) for b in range(256)]
+    pieces = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    pieces.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    pieces.decoder = decoders.Sequence([decoders.Metaspace(replacement="\u2581", prepend_scheme="always"),
+                                        decoders.ByteFallback(), decoders.Fuse()])
+    fallback = PreTrainedTokenizerFast(tokenizer_object=pieces, unk_token="<unk>")
+    ids = fallback.encode("a \u00e9 a", add_special_tokens=False)
+    assert fallback.convert_ids_to_tokens(ids)[2:4] == ["<0xC3>", "<0xA9>"]  # the character split in two
+    assert not decodes_byte_level(fallback)
+    assert b"".join(token_bytes(fallback, t, False) for t in ids) == " a \u00e9 a".encode()

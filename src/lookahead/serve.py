@@ -116,13 +116,19 @@ class _Common(_Body):
         """The client's cap on new tokens (None: none given) and the field it came in."""
         return "max_tokens", self.max_tokens
 
+    def logprobs_asked(self) -> int | None:
+        """None: no log-probabilities; k: each token's, with the k likeliest tokens at its position."""
+        raise NotImplementedError
+
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_Common.UNSUPPORTED, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],),
+        **_Common.UNSUPPORTED, "tools": ([],),
         "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
         "response_format": ({"type": "text"},)}
     PROMPT_FIELD: ClassVar[str] = "messages"
@@ -131,6 +137,11 @@ class ChatRequest(_Common):
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
         return super().token_limit()
+
+    def logprobs_asked(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def prompt_ids(self, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
         """The conversation through the chat template (or its texts joined by lines without one)."""
@@ -146,9 +157,10 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str
+    logprobs: int | None = Field(None, ge=0, le=5, strict=True)
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_Common.UNSUPPORTED, "echo": (False,), "logprobs": (), "suffix": ("",), "best_of": (1,)}
+        **_Common.UNSUPPORTED, "echo": (False,), "suffix": ("",), "best_of": (1,)}
     PROMPT_FIELD: ClassVar[str] = "prompt"
 
     def refuse_unsupported(self) -> None:
@@ -159,6 +171,9 @@ class CompletionRequest(_Common):
 
     def prompt_ids(self, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
         return tokenizer(self.prompt, return_tensors="pt")["input_ids"][0]
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 RequestBody = ChatRequest | CompletionRequest
@@ -511,7 +526,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         return RequestParams(max_new_tokens=new_tokens(body, prompt), config=_lookahead_config(body.lookahead),
                              do_sample=body.temperature > 0, temperature=body.temperature or None,
                              top_p=body.top_p, top_k=0, seed=body.seed if body.temperature > 0 else None,
-                             corpus=corpus)
+                             corpus=corpus, output_logits=body.logprobs_asked() is not None)
 
     async def run(request: Request, body: RequestBody, prompt: torch.Tensor, params: RequestParams, chat: bool):
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -521,6 +536,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         metrics.requests.labels("chat" if chat else "completions").inc()
         metrics.prompt_tokens.inc(prompt.numel())
         reply = _Reply(tokenizer, stops, eos_ids(model, params.eos_token_id))
+        top = body.logprobs_asked()
+        logprobs = _Logprobs(tokenizer, top) if top is not None else None
         steps = 0  # decoding steps that gave this request tokens
         name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
@@ -552,6 +569,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                         metrics.tokens.inc(len(output.tokens))
                     if output.stats is not None and output.stats.steps:
                         metrics.tokens_per_step.observe(output.stats.tokens_per_step)
+                    if logprobs is not None and output.tokens:
+                        logprobs.add(output.tokens, output.logits)
                     piece = reply.add(output.tokens, output.finished)
                     if piece:
                         yield piece
@@ -563,9 +582,15 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                 else:
                     runner.abort(rid)
 
+        sent = 0  # tokens whose log-probabilities a chunk carried
+
         def chunk(piece: str | None, finish: str | None) -> dict:
+            nonlocal sent
             choice = ({"index": 0, "delta": ({"content": piece} if piece is not None else {}), "finish_reason": finish}
                       if chat else {"index": 0, "text": piece or "", "finish_reason": finish})
+            if logprobs is not None:  # those of the tokens that came since the last chunk, the text maybe later
+                choice["logprobs"] = logprobs.body(chat, sent, reply.tokens) if reply.tokens > sent else None
+                sent = reply.tokens
             return {"id": name, "object": f"{kind}.chunk" if chat else kind, "created": int(started),
                     "model": model_name, "choices": [choice]}
 
@@ -599,6 +624,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
             return Response(status_code=499)  # the client has gone: nobody reads this
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reply.finish_reason}
                   if chat else {"index": 0, "text": text, "finish_reason": reply.finish_reason})
+        if logprobs is not None:
+            choice["logprobs"] = logprobs.body(chat, 0, reply.tokens)
         return {"id": name, "object": kind, "created": int(started), "model": model_name, "choices": [choice],
                 "usage": usage()}
 
@@ -765,3 +792,78 @@ class _Reply:
         text = self._decode(self.ids[:count])
         found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
         return text[:min(found)] if found else None
+
+
+class _Logprobs:
+    """A reply's log-probabilities: each token's under the model (the log-softmax of its float32 logits,
+    before temperature and top_p, as vLLM reports them by default) and the `top` likeliest tokens at each
+    position, in OpenAI's formats."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, top: int) -> None:
+        self.tokenizer, self.top = tokenizer, top
+        self.byte_level = decodes_byte_level(tokenizer)
+        self.chosen: list[tuple[int, float]] = []
+        self.likeliest: list[list[tuple[int, float]]] = []
+
+    def add(self, tokens: list[int], logits: torch.Tensor) -> None:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        picked = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+        self.chosen += zip(tokens, picked)
+        if self.top:
+            values, ids = logprobs.topk(self.top, dim=-1)
+            self.likeliest += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        else:
+            self.likeliest += [[] for _ in tokens]
+
+    def body(self, chat: bool, start: int, end: int) -> dict:
+        """The `logprobs` of a choice for the reply's tokens start..end."""
+        chosen, likeliest = self.chosen[start:end], self.likeliest[start:end]
+        if chat:
+            return {"content": [{**self._token(t, p), "top_logprobs": [self._token(i, v) for i, v in top]}
+                                for (t, p), top in zip(chosen, likeliest)], "refusal": None}
+        texts = [self._token(t, p)["token"] for t, p in self.chosen[:end]]
+        offsets = [0]
+        for text in texts[:-1]:
+            offsets.append(offsets[-1] + len(text))
+        return {"tokens": texts[start:], "token_logprobs": [p for _, p in chosen],
+                "top_logprobs": [{self._token(i, v)["token"]: v for i, v in top} for top in likeliest]
+                if self.top else None, "text_offset": offsets[start:]}
+
+    def _token(self, token: int, logprob: float) -> dict:
+        raw = token_bytes(self.tokenizer, token, self.byte_level)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+@functools.cache
+def _byte_level() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (a printable character per byte), read back to bytes."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {character: byte for byte, character in bytes_to_unicode().items()}
+
+
+def decodes_byte_level(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's pieces are in GPT-2's byte-level alphabet (its decoder, or one of them, says so)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is None:
+        return False
+    decoder = json.loads(decoder.__getstate__())  # its settings alone, in microseconds
+    return decoder.get("type") == "ByteLevel" or any(
+        d.get("type") == "ByteLevel" for d in decoder.get("decoders", []) if isinstance(d, dict))
+
+
+def token_bytes(tokenizer: PreTrainedTokenizerBase, token: int, byte_level: bool) -> bytes:
+    """A token's own bytes (a token may hold part of a character): a byte-level BPE piece (`byte_level`, as
+    `decodes_byte_level` says) read through GPT-2's alphabet, a byte-fallback piece (<0x0A>) as its byte, a SentencePiece word start as a space, else its text."""
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if not isinstance(piece, str):
+        return b""
+    if byte_level:
+        alphabet = _byte_level()
+        if all(character in alphabet for character in piece):
+            return bytes(alphabet[character] for character in piece)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    if "\u2581" in piece:
+        return piece.replace("\u2581", " ").encode()
+    return tokenizer.decode([token]).encode()
