@@ -288,3 +288,20 @@ def test_scores_of_tokens_accepted_deep_in_the_tree_are_generates():
     assert out.stats.tokens_per_step == 3  # two drafted tokens accepted every step (the config drafts 2)
     torch.testing.assert_close(torch.stack(out.scores), torch.stack(expected.scores), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), rtol=1e-4, atol=1e-4)
+
+
+def test_sampled_scores_are_the_warped_ones():
+    """Sampling: the scores are what the token was drawn from (temperature and top-k applied), as `generate`
+    returns them; the first position's, which no draw before it changes, equal `generate`'s."""
+    model = make_tiny_model("llama")
+    options = {"do_sample": True, "temperature": 0.7, "top_k": 5}
+    with torch.inference_mode():
+        expected = model.generate(PROMPT, max_new_tokens=4, eos_token_id=[], output_scores=True,
+                                  return_dict_in_generate=True, **options)
+    out = generate(model, PROMPT, max_new_tokens=NEW, config=CONFIGS[1], eos_token_id=[], output_scores=True,
+                   generator=torch.Generator().manual_seed(0), **options)
+    torch.testing.assert_close(out.scores[0], expected.scores[0], rtol=1e-4, atol=1e-4)
+    scores = torch.cat(out.scores)
+    assert (scores.isfinite().sum(dim=-1) == 5).all()  # top-k: five candidates at every position
+    new = out.sequences[0, PROMPT.shape[1]:]
+    assert scores[torch.arange(NEW), new].isfinite().all()  # every token drawn from its own candidates
