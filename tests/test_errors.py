@@ -160,9 +160,14 @@ def _corpus_beyond_the_vocabulary() -> Corpus:
         ({"proposers": [object()]}, TypeError, r"proposers must be draft sources with propose\(text, limit\)"),
         ({"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.tensor([[0, 0, 0], [1, 1, 1]])},
          ValueError, "attention_mask leaves row 0 without a token"),
+        ({"no_such_option": 1}, TypeError, "neither its arguments nor generation config fields: no_such_option"),
+        ({"generation_config": {"top_k": 3}}, TypeError, "generation_config must be a transformers GenerationConfig"),
+        ({"num_beams": 4}, ValueError, r"num_beams=4 \(generation config\) asks for a search"),
+        ({"output_logits": "yes"}, ValueError, "output_logits must be a bool, got 'yes'"),
     ],
     ids=["temperature", "top-p", "eos-float", "eos-string", "eos-negative", "pad", "corpus-type",
-         "corpus-vocabulary", "no-prompt", "text-prompt", "proposer", "empty-row"],
+         "corpus-vocabulary", "no-prompt", "text-prompt", "proposer", "empty-row", "unknown-option",
+         "generation-config-type", "beam-search", "output-logits-type"],
 )
 def test_bad_options_are_refused_before_any_work(llama_tiny, tmp_path, monkeypatch, kwargs, error, message):
     """Even where nothing is measured yet (an empty cost-curve cache: the engine would first time the model),
@@ -232,3 +237,10 @@ def test_a_seed_may_be_a_numpy_integer(llama_tiny):
         for output in engine.step():
             outputs[output.request_id] += output.tokens
     assert outputs[ids[0]] == outputs[ids[1]] and len(outputs[ids[0]]) == 10
+
+
+def test_an_engine_request_with_a_generation_config_of_the_wrong_type_is_refused(llama_tiny):
+    from lookahead.engine import Engine, RequestParams
+
+    with pytest.raises(TypeError, match="generation_config must be a transformers GenerationConfig or None, got dict"):
+        Engine(llama_tiny, max_batch=1, max_length=32).add_request([5, 6], RequestParams(generation_config={}))

@@ -137,7 +137,7 @@ def test_no_length_anywhere_takes_ours_and_a_max_length_the_input_fills_is_refus
     model = make_tiny_model("llama")
     assert generate(model, PROMPT, eos_token_id=[]).sequences.shape[1] == PROMPT.shape[1] + DEFAULT_NEW_TOKENS
     model.generation_config.max_length = PROMPT.shape[1]
-    with pytest.raises(ValueError, match=r"max_new_tokens is unset and the model's generation config sets "
+    with pytest.raises(ValueError, match=r"max_new_tokens is unset and the generation config sets "
                                          r"max_length=8, which leaves no room after the input's 8 positions"):
         generate(model, PROMPT)
 
@@ -305,3 +305,53 @@ def test_sampled_scores_are_the_warped_ones():
     assert (scores.isfinite().sum(dim=-1) == 5).all()  # top-k: five candidates at every position
     new = out.sequences[0, PROMPT.shape[1]:]
     assert scores[torch.arange(NEW), new].isfinite().all()  # every token drawn from its own candidates
+
+
+@pytest.mark.parametrize("how", ["by-name", "generation-config"])
+def test_generation_options_passed_to_the_call_apply_as_in_generate(how):
+    """`generate(model, ids, no_repeat_ngram_size=2)` or `generation_config=GenerationConfig(...)`, as
+    `model.generate` takes them; the model's own generation config is left as it was."""
+    from transformers import GenerationConfig
+
+    model = make_tiny_model("llama")
+    before = model.generation_config.to_dict()
+    for name, value in generation_options():
+        eos = [free_run()[1]] if name == "min_new_tokens" else []
+        given = {name: value} if how == "by-name" else {"generation_config": GenerationConfig(**{name: value})}
+        with torch.inference_mode():
+            expected = model.generate(PROMPT, do_sample=False, max_new_tokens=NEW, eos_token_id=eos, **given)
+        assert expected.tolist() != reference_greedy(model, PROMPT, NEW, eos_token_id=eos).tolist(), name
+        out = generate(model, PROMPT, max_new_tokens=NEW, config=CONFIGS[1], eos_token_id=eos, **given)
+        assert out.sequences.tolist() == expected.tolist(), f"{name}={value!r}"
+    assert model.generation_config.to_dict() == before
+
+
+def test_a_generation_config_gives_its_length_and_stop_token_and_the_models_fills_the_rest():
+    from transformers import GenerationConfig
+
+    model = make_tiny_model("llama")
+    model.generation_config.repetition_penalty = 1.5  # unset in the given config: the model's applies
+    given = GenerationConfig(max_new_tokens=NEW, no_repeat_ngram_size=2)
+    with torch.inference_mode():
+        expected = model.generate(PROMPT, do_sample=False, generation_config=given, eos_token_id=[])
+    assert expected.shape[1] == PROMPT.shape[1] + NEW
+    assert generate(model, PROMPT, generation_config=given, eos_token_id=[]).sequences.tolist() == expected.tolist()
+    unpenalised = generate(model, PROMPT, generation_config=given, eos_token_id=[], repetition_penalty=1.0)
+    assert unpenalised.sequences.tolist() != expected.tolist()  # the model's penalty did apply
+    stop = expected[0, PROMPT.shape[1] + 6].item()
+    given = GenerationConfig(max_new_tokens=NEW, no_repeat_ngram_size=2, eos_token_id=stop)
+    with torch.inference_mode():
+        expected = model.generate(PROMPT, do_sample=False, generation_config=given)
+    assert expected[0, -1] == stop and expected.shape[1] < PROMPT.shape[1] + NEW
+    assert generate(model, PROMPT, generation_config=given).sequences.tolist() == expected.tolist()
+
+
+def test_options_that_are_no_generation_config_field_or_ask_for_another_search_are_refused():
+    model = make_tiny_model("llama")
+    with pytest.raises(TypeError, match="neither its arguments nor generation config fields: no_such_option"):
+        generate(model, PROMPT, max_new_tokens=2, no_such_option=1)
+    with pytest.raises(TypeError, match="generation_config must be a transformers GenerationConfig or None, got dict"):
+        generate(model, PROMPT, max_new_tokens=2, generation_config={"max_new_tokens": 2})
+    with pytest.raises(ValueError, match=r"num_beams=4 \(generation config\) asks for a search lookahead does not "
+                                         r"decode with; leave it at 1"):
+        generate(model, PROMPT, max_new_tokens=2, num_beams=4)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed
-from transformers import LogitsProcessor, PreTrainedModel
+from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel
 
 from .config import AUTO_CONFIG, WINDOW_ROWS_BELOW, LookaheadConfig
 from .core.decoder import NO_PROPOSAL, LookaheadDecoder, Proposal, StepPlan
@@ -112,7 +112,8 @@ class RequestParams:
     calls it, on the prompt and the new tokens so far ([1, n]; `scores` None), after every new token: the
     request ends at the first token for which one says True, that token kept. output_scores, output_logits: each
     step's output carries its tokens' scores (the logits as processed for picking them, as `generate`'s
-    `output_scores`) or logits (float32, as its `output_logits`)."""
+    `output_scores`) or logits (float32, as its `output_logits`). generation_config: what the
+    model's generation config would give (stop tokens, processors, unset sampling options), as `generate`'s."""
 
     max_new_tokens: int = 128
     config: LookaheadConfig | None = None
@@ -130,6 +131,7 @@ class RequestParams:
     stopping_criteria: Sequence[StoppingCriterion] | None = ()
     output_scores: bool = False
     output_logits: bool = False
+    generation_config: GenerationConfig | None = None  # None: the model's
 
     def __post_init__(self) -> None:  # a generator of stop tokens is read once, here, not at each use
         object.__setattr__(self, "eos_token_id", stop_token_list(self.eos_token_id))
@@ -137,7 +139,7 @@ class RequestParams:
     def decoding(self, generator: torch.Generator | None) -> DecodingOptions:
         """This request's decoding options, drawing from `generator`."""
         return DecodingOptions(self.do_sample, self.temperature, self.top_k, self.top_p, self.repetition_penalty,
-                               self.logits_processor, generator)
+                               self.logits_processor, generator, self.generation_config)
 
 
 @dataclass(frozen=True)
@@ -235,7 +237,7 @@ class Engine:
         generator = params.generator
         if params.seed is not None:
             generator = torch.Generator().manual_seed(int(params.seed))
-        stops = eos_ids(self.model, params.eos_token_id)
+        stops = eos_ids(self.model, params.eos_token_id, params.generation_config)
         rule = decoding_rule(self.model, params.decoding(generator), prompt.numel(), params.max_new_tokens, stops)
         decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform,
                                    corpus=params.corpus, cost=self.cost, proposers=params.proposers,
@@ -613,16 +615,17 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
     for name in ("output_scores", "output_logits"):
         if not isinstance(getattr(params, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(params, name)!r}")
-    eos_ids(model, params.eos_token_id)
     check_decoding_options(model, params.decoding(params.generator))
+    eos_ids(model, params.eos_token_id, params.generation_config)
     return config
 
 
-def eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None) -> list[int]:
-    """The stop tokens in order: the ones given, else the model's generation config's (none if it has none).
-    Raises ValueError for anything but a token id or a sequence of token ids."""
+def eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None,
+            config: GenerationConfig | None = None) -> list[int]:
+    """The stop tokens in order: the ones given, else the generation config's (`config`, else the model's; none
+    if it has none). Raises ValueError for anything but a token id or a sequence of token ids."""
     if eos_token_id is None:
-        eos_token_id = getattr(model.generation_config, "eos_token_id", None)
+        eos_token_id = getattr(model.generation_config if config is None else config, "eos_token_id", None)
     eos_token_id = stop_token_list(eos_token_id)
     if eos_token_id is None:
         return []
@@ -651,12 +654,13 @@ def stop_token_list(eos_token_id: object) -> object:
     return eos_token_id
 
 
-def pad_id(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None = None) -> int:
-    """The id that fills a sequence after it stops, as `generate` picks it: the model's pad token, else the
-    first stop token (`eos_token_id`, else the model's), else 0."""
-    pad = getattr(model.generation_config, "pad_token_id", None)
+def pad_id(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None = None,
+           config: GenerationConfig | None = None) -> int:
+    """The id that fills a sequence after it stops, as `generate` picks it: the generation config's pad token
+    (`config`, else the model's), else the first stop token (`eos_token_id`, else the config's), else 0."""
+    pad = getattr(model.generation_config if config is None else config, "pad_token_id", None)
     if pad is None:
-        stops = eos_ids(model, eos_token_id)
+        stops = eos_ids(model, eos_token_id, config)
         pad = stops[0] if stops else 0
     return int(pad)
 

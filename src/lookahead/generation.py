@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria
+from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria
 
 from .config import LookaheadConfig
 from .core.drafts import Proposer
@@ -52,14 +53,19 @@ def generate(
     stopping_criteria: Sequence[StoppingCriterion] | None = None,
     output_scores: bool = False,
     output_logits: bool = False,
+    generation_config: GenerationConfig | None = None,
+    **generation_options,
 ) -> GenerateOutput:
     """Decoding with lookahead. Greedy gives `model.generate(do_sample=False)`'s output token for token;
     sampling (`do_sample=True`) draws from the same distribution as `model.generate(do_sample=True)` with the
-    same options (docs/sampling.md). Unset options come from the model's generation config, as in `generate`:
+    same options (docs/sampling.md). Unset options come from the generation config, as in `generate`:
     do_sample (greedy where it sets none), the sampling options, and max_new_tokens (its max_new_tokens, else
     its max_length less the input's length, else DEFAULT_NEW_TOKENS; transformers would stop at 20 positions
     in all); `temperature=0` means greedy; `generator` seeds the sampling (one generator, drawn from by every
-    sequence of a batch in turn).
+    sequence of a batch in turn). The generation config is the model's, or as `generate` makes it:
+    `generation_config` with its unset fields from the model's, and any other generation config field passed
+    by name over it (`min_new_tokens=5`, `no_repeat_ngram_size=3`, `bad_words_ids=...`: the processors they ask
+    for apply as in `generate`; a name that is no field raises TypeError).
 
     input_ids: one prompt ([n] or [1, n]); a batch [B, n], left-padded where `attention_mask` (transformers'
     convention, 1 for a token, 0 for padding) says so (without one, any B: where the model's pad token is,
@@ -99,19 +105,21 @@ def generate(
     (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """
     check_model(model)
-    criteria = _stopping_criteria(model, stop_strings, tokenizer, stopping_criteria)
+    settings = _generation_config(model, generation_config, generation_options)
+    criteria = _stopping_criteria(settings, stop_strings, tokenizer, stopping_criteria)
     eos_token_id = stop_token_list(eos_token_id)  # a generator of them read once, here
     _check_callers_objects(streamer, logits_processor, packed_linear)
-    prompts, layout = _prompts(input_ids, attention_mask, _inferred_padding(model, eos_token_id, pad_token_id))
+    prompts, layout = _prompts(input_ids, attention_mask, _inferred_padding(model, settings, eos_token_id,
+                                                                            pad_token_id))
     width = layout.shape[1] if layout is not None else max(len(prompt) for prompt in prompts)
-    max_new_tokens = _new_tokens(model, max_new_tokens, width)
+    max_new_tokens = _new_tokens(settings, max_new_tokens, width)
     if do_sample is None:
-        do_sample = bool(getattr(model.generation_config, "do_sample", None))
+        do_sample = bool(getattr(settings, "do_sample", None))
     params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
                            repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers), criteria,
-                           output_scores, output_logits)
+                           output_scores, output_logits, None if settings is model.generation_config else settings)
     check_params(model, params)
-    pad = pad_id(model, eos_token_id) if pad_token_id is None else pad_token_id
+    pad = pad_id(model, eos_token_id, settings) if pad_token_id is None else pad_token_id
     if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
         given = "pad_token_id" if pad_token_id is not None else "the model's pad token (generation config)"
         raise ValueError(f"{given} must be a token id (an integer >= 0) or None, got {pad!r}")
@@ -178,7 +186,25 @@ def _per_position(rows: dict[int, list[torch.Tensor]], ids: list[int], pad: int,
     return tuple(out.unbind(0))
 
 
-def _stopping_criteria(model: PreTrainedModel, stop_strings: str | Sequence[str] | None,
+def _generation_config(model: PreTrainedModel, given: GenerationConfig | None, options: dict) -> GenerationConfig:
+    """The generation config a call decodes by, as `model.generate` makes it: `given` (else a blank one), its
+    unset fields from the model's, then `options` (generation config fields) over it; the model's own where the
+    call sets nothing. Raises TypeError for an option that is not a generation config field."""
+    if given is not None and not isinstance(given, GenerationConfig):
+        raise TypeError(f"generation_config must be a transformers GenerationConfig or None, got "
+                        f"{type(given).__name__}")
+    if given is None and not options:
+        return model.generation_config
+    config = copy.deepcopy(given) if given is not None else GenerationConfig()
+    config.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    unknown = config.update(**options)
+    if unknown:
+        raise TypeError(f"generate() got options that are neither its arguments nor generation config fields: "
+                        f"{', '.join(sorted(unknown))}")
+    return config
+
+
+def _stopping_criteria(settings: GenerationConfig, stop_strings: str | Sequence[str] | None,
                        tokenizer: PreTrainedTokenizerBase | None,
                        criteria: Sequence[StoppingCriterion] | None) -> tuple[StoppingCriterion, ...]:
     """The criteria a call stops by: the caller's, then one for the stop strings, as `generate` builds them."""
@@ -187,7 +213,7 @@ def _stopping_criteria(model: PreTrainedModel, stop_strings: str | Sequence[str]
                         f"{type(criteria).__name__}")
     criteria = tuple(criteria or ())
     if stop_strings is None:
-        stop_strings = getattr(getattr(model, "generation_config", None), "stop_strings", None)
+        stop_strings = getattr(settings, "stop_strings", None)
     if stop_strings is None:
         return criteria
     stops = [stop_strings] if isinstance(stop_strings, str) else stop_strings
@@ -240,24 +266,23 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None, padding: int | None
     return [row[keep.bool()] for row, keep in zip(ids, mask)], ids.to(torch.long).cpu()
 
 
-# max_new_tokens where neither the call nor the model's generation config sets a length
+# max_new_tokens where neither the call nor the generation config sets a length
 DEFAULT_NEW_TOKENS = 128
 
 
-def _new_tokens(model: PreTrainedModel, max_new_tokens: int | None, width: int) -> int:
-    """max_new_tokens, or where it is None what `model.generate` takes from the model's generation config: its
+def _new_tokens(config: GenerationConfig, max_new_tokens: int | None, width: int) -> int:
+    """max_new_tokens, or where it is None what `model.generate` takes from the generation config: its
     max_new_tokens, else its max_length less the input's `width` (positions, padding included); else
     DEFAULT_NEW_TOKENS."""
     if max_new_tokens is not None:
         return max_new_tokens
-    config = model.generation_config
     if getattr(config, "max_new_tokens", None) is not None:
         return config.max_new_tokens
     length = getattr(config, "max_length", None)
     if length is None:
         return DEFAULT_NEW_TOKENS
     if isinstance(length, bool) or not isinstance(length, int) or length <= width:
-        raise ValueError(f"max_new_tokens is unset and the model's generation config sets max_length={length!r}, "
+        raise ValueError(f"max_new_tokens is unset and the generation config sets max_length={length!r}, "
                          f"which leaves no room after the input's {width} positions: pass max_new_tokens")
     return length - width
 
@@ -274,8 +299,9 @@ def _check_callers_objects(streamer, logits_processor, packed_linear) -> None:
         raise TypeError(f"packed_linear must be True, False or None, got {packed_linear!r}")
 
 
-def _inferred_padding(model: PreTrainedModel, eos_token_id, pad_token_id: int | None) -> int | None:
+def _inferred_padding(model: PreTrainedModel, settings: GenerationConfig, eos_token_id, pad_token_id: int | None
+                      ) -> int | None:
     """The token `generate` reads as padding when it gets no attention mask: the pad token given, else the
-    model's, unless it is a stop token too."""
-    pad = getattr(model.generation_config, "pad_token_id", None) if pad_token_id is None else pad_token_id
-    return None if pad is None or pad in eos_ids(model, eos_token_id) else int(pad)
+    generation config's, unless it is a stop token too."""
+    pad = getattr(settings, "pad_token_id", None) if pad_token_id is None else pad_token_id
+    return None if pad is None or pad in eos_ids(model, eos_token_id, settings) else int(pad)

@@ -62,6 +62,10 @@ class DecodingOptions:
     repetition_penalty: float | None = None
     logits_processor: Sequence[LogitsProcessor] | None = None
     generator: torch.Generator | None = None
+    generation_config: GenerationConfig | None = None  # None: the model's
+
+    def config(self, model: PreTrainedModel) -> GenerationConfig:
+        return model.generation_config if self.generation_config is None else self.generation_config
 
 
 def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt_length: int, max_new_tokens: int,
@@ -72,7 +76,7 @@ def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt_lengt
     user's processors, then (sampling only) temperature, top-k, top-p and the other warpers the config sets.
     temperature=0 means greedy."""
     check_decoding_options(model, options)
-    config = model.generation_config
+    config = options.config(model)
 
     def resolved(name: str, value):
         if value is not None:
@@ -123,12 +127,18 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
         raise ValueError(f"generator must be a torch.Generator or None, got {type(options.generator).__name__}")
     if options.logits_processor is not None and not all(callable(p) for p in options.logits_processor):
         raise ValueError("logits_processor must be a list of transformers LogitsProcessor (callables)")
-    config = model.generation_config
+    if options.generation_config is not None and not isinstance(options.generation_config, GenerationConfig):
+        raise TypeError(f"generation_config must be a transformers GenerationConfig or None, got "
+                        f"{type(options.generation_config).__name__}")
+    config = options.config(model)
     for name, plain in UNSUPPORTED_CONFIG.items():
         value = getattr(config, name, None)
         if value is not None and value != plain:
-            raise ValueError(f"the model's generation config sets {name}={value!r}, which lookahead does not "
-                             f"decode with; set model.generation_config.{name} = {plain!r} to decode without it")
+            if options.generation_config is None:
+                raise ValueError(f"the model's generation config sets {name}={value!r}, which lookahead does not "
+                                 f"decode with; set model.generation_config.{name} = {plain!r} to decode without it")
+            raise ValueError(f"{name}={value!r} (generation config) asks for a search lookahead does not decode "
+                             f"with; leave it at {plain!r}")
 
 
 def _config_processors(config: GenerationConfig, repetition_penalty: float, prompt_length: int,
