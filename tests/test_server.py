@@ -199,7 +199,14 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
         ("chat", {"model": MODEL, "messages": HI, "tool_choice": "required"}, 400, "not supported", "tool_choice"),
         ("chat", {"model": MODEL, "messages": HI, "response_format": {"type": "json_object"}}, 400, "not supported",
          "response_format"),
-        ("chat", {"model": MODEL, "messages": HI, "presence_penalty": 0.5}, 400, "not supported", "presence_penalty"),
+        ("chat", {"model": MODEL, "messages": HI, "presence_penalty": 2.5}, 400, "less than or equal to 2",
+         "presence_penalty"),
+        ("chat", {"model": MODEL, "messages": HI, "logit_bias": {"the": 5}}, 400, "logit_bias keys must be token ids",
+         "logit_bias"),
+        ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 5}}, 400,
+         "token ids in [0, 49152), got '99999999'", "logit_bias"),
+        ("chat", {"model": MODEL, "messages": HI, "logit_bias": {"5": 101}}, 400, "in [-100, 100], got 101.0 for token 5",
+         "logit_bias"),
         ("completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "not supported", "echo"),
         ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "less than or equal to 5",
          "logprobs"),
@@ -222,7 +229,8 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
     ids=["no-messages", "messages-not-a-list", "n=2", "negative-max-tokens", "unknown-model", "oversized-messages",
          "oversized-prompt", "max-tokens-past-max-length", "max-completion-tokens-past-max-length", "bad-lookahead",
          "seed-past-64-bits", "stream-options-without-stream", "user-content-null", "image-part",
-         "top-logprobs-past-20", "top-logprobs-without-logprobs", "tools", "tool-choice", "json-response-format", "presence-penalty", "echo",
+         "top-logprobs-past-20", "top-logprobs-without-logprobs", "tools", "tool-choice", "json-response-format",
+         "presence-penalty-past-2", "logit-bias-word", "logit-bias-past-vocabulary", "logit-bias-past-100", "echo",
          "completion-logprobs", "suffix", "best-of", "completion-max-completion-tokens", "stream-a-string",
          "temperature-a-boolean", "n-a-float", "include-usage-a-number", "stop-list-with-a-number",
          "lookahead-window-a-string", "role-a-number", "unknown-role"],
@@ -838,3 +846,57 @@ def test_token_bytes_add_up_to_the_text_where_tokens_split_characters(default_mo
     assert fallback.convert_ids_to_tokens(ids)[2:4] == ["<0xC3>", "<0xA9>"]  # the character split in two
     assert not decodes_byte_level(fallback)
     assert b"".join(token_bytes(fallback, t, False) for t in ids) == " a \u00e9 a".encode()
+
+
+class _ReferencePenalties:
+    """OpenAI's frequency and presence penalties and logit bias, written out token by token."""
+
+    def __init__(self, prompt_length: int, frequency: float, presence: float, bias: dict[int, float]) -> None:
+        self.prompt_length, self.frequency, self.presence, self.bias = prompt_length, frequency, presence, bias
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        from collections import Counter
+
+        scores = scores.clone()
+        for token, count in Counter(input_ids[0, self.prompt_length :].tolist()).items():
+            scores[0, token] -= self.frequency * count + self.presence
+        for token, bias in self.bias.items():
+            scores[0, token] += bias
+        return scores
+
+
+def test_frequency_and_presence_penalties_and_logit_bias_apply_as_openai_defines_them(server, default_model):
+    url, _ = server
+    model, tokenizer = default_model
+    question = {"role": "user", "content": "List the days of the week, twice."}
+    ids = encode_messages(tokenizer, [question])
+    plain = reference_greedy(model, ids, 40)[0, ids.shape[1]:].tolist()
+    banned = plain[2]  # a token the plain reply has early on
+    options = {"frequency_penalty": 0.8, "presence_penalty": 0.6, "logit_bias": {str(banned): -100}}
+    reference = _ReferencePenalties(ids.shape[1], 0.8, 0.6, {banned: -100.0})
+    with torch.inference_mode():
+        expected = model.generate(ids, do_sample=False, max_new_tokens=40, logits_processor=[reference])
+    expected_text = tokenizer.decode(expected[0, ids.shape[1]:], skip_special_tokens=True)
+    assert expected[0, ids.shape[1]:].tolist() != plain and banned not in expected[0, ids.shape[1]:].tolist()
+    reply = client(url).chat.completions.create(model=MODEL, messages=[question], max_tokens=40, temperature=0,
+                                                **options)
+    assert reply.choices[0].message.content == expected_text
+    code, body = raw(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [question], "max_tokens": 40,
+                                                    "temperature": 0, "lookahead": "off", **options})
+    assert code == 200 and body["choices"][0]["message"]["content"] == expected_text
+
+
+def test_openai_penalties_match_their_definition_on_random_replies():
+    from lookahead.serve import OpenAIPenalties
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        prompt = int(torch.randint(1, 6, (1,), generator=generator))
+        length = prompt + int(torch.randint(0, 20, (1,), generator=generator))
+        ids = torch.randint(0, 12, (1, length), generator=generator)
+        scores = torch.randn(1, 12, generator=generator)
+        frequency, presence = torch.rand(2, generator=generator).mul(4).sub(2).tolist()
+        bias = {int(t): float(b) for t, b in zip(torch.randint(0, 12, (3,), generator=generator),
+                                                 torch.randn(3, generator=generator) * 50)}
+        expected = _ReferencePenalties(prompt, frequency, presence, bias)(ids, scores)
+        torch.testing.assert_close(OpenAIPenalties(prompt, frequency, presence, bias)(ids, scores), expected)

@@ -30,11 +30,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import AUTO_CONFIG, PLAIN_CONFIG, LookaheadConfig
 from .core.suffix import Corpus
 from .engine import Engine, RequestParams, StepOutput, eos_ids
+from .hf import vocabulary_size
 from .prompts import encode_messages, has_chat_template
 
 # The page at `/`: a chat box streaming from /v1/chat/completions, with tokens/s and tokens/step live.
@@ -89,6 +90,9 @@ class _Common(_Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=INT64[0], le=INT64[1], strict=True)
     stop: str | list[str] | None = None
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -102,7 +106,7 @@ class _Common(_Body):
 
     # OpenAI's fields that this server does not implement, each with the values that ask for nothing more
     # than what it does (the first one is the one to suggest).
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},)}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
 
     def refuse_unsupported(self) -> None:
         """400 for the first field set to a value that asks for more than this server does."""
@@ -128,7 +132,7 @@ class ChatRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_Common.UNSUPPORTED, "tools": ([],),
+        "tools": ([],),
         "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
         "response_format": ({"type": "text"},)}
     PROMPT_FIELD: ClassVar[str] = "messages"
@@ -160,7 +164,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=5, strict=True)
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_Common.UNSUPPORTED, "echo": (False,), "suffix": ("",), "best_of": (1,)}
+        "echo": (False,), "suffix": ("",), "best_of": (1,)}
     PROMPT_FIELD: ClassVar[str] = "prompt"
 
     def refuse_unsupported(self) -> None:
@@ -523,10 +527,12 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         if corpus_megabytes and key not in corpora:
             corpora[key] = Corpus(max_megabytes=corpus_megabytes)
         corpus = corpora.get(key)
+        penalties = OpenAIPenalties.of(body, prompt.numel(), vocabulary_size(model))
         return RequestParams(max_new_tokens=new_tokens(body, prompt), config=_lookahead_config(body.lookahead),
                              do_sample=body.temperature > 0, temperature=body.temperature or None,
                              top_p=body.top_p, top_k=0, seed=body.seed if body.temperature > 0 else None,
-                             corpus=corpus, output_logits=body.logprobs_asked() is not None)
+                             corpus=corpus, output_logits=body.logprobs_asked() is not None,
+                             logits_processor=[penalties] if penalties is not None else None)
 
     async def run(request: Request, body: RequestBody, prompt: torch.Tensor, params: RequestParams, chat: bool):
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -867,3 +873,39 @@ def token_bytes(tokenizer: PreTrainedTokenizerBase, token: int, byte_level: bool
     if "\u2581" in piece:
         return piece.replace("\u2581", " ").encode()
     return tokenizer.decode([token]).encode()
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's frequency and presence penalties and logit bias: a token's logit less `frequency` for each time
+    it came in the reply so far (not the prompt), less `presence` once it came at all, plus its bias."""
+
+    def __init__(self, prompt_length: int, frequency: float, presence: float, bias: dict[int, float]) -> None:
+        self.prompt_length, self.frequency, self.presence = prompt_length, frequency, presence
+        self.bias_ids = torch.tensor(list(bias), dtype=torch.long)
+        self.bias = torch.tensor(list(bias.values()), dtype=torch.float32)
+
+    @classmethod
+    def of(cls, body: RequestBody, prompt_length: int, vocabulary: int) -> OpenAIPenalties | None:
+        """The request's penalties (None where it sets none); 400 for a logit bias of a token not in the model's
+        vocabulary or of more than 100 either way."""
+        bias = {}
+        for key, value in (body.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocabulary:
+                raise APIError(400, f"logit_bias keys must be token ids in [0, {vocabulary}), got {key!r}", "logit_bias")
+            if not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias values must be in [-100, 100], got {value} for token {key}",
+                               "logit_bias")
+            bias[int(key)] = value
+        if not (body.frequency_penalty or body.presence_penalty or any(bias.values())):
+            return None
+        return cls(prompt_length, body.frequency_penalty, body.presence_penalty, bias)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        reply = input_ids[:, self.prompt_length :]
+        if (self.frequency or self.presence) and reply.numel():
+            counts = torch.zeros_like(scores).scatter_add_(1, reply, torch.ones_like(reply, dtype=scores.dtype))
+            scores = scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+        if self.bias_ids.numel():
+            scores = scores.index_add(1, self.bias_ids.to(scores.device),
+                                      self.bias.to(scores).expand(scores.shape[0], -1))
+        return scores
