@@ -810,11 +810,14 @@ class _Logprobs:
         self.byte_level = decodes_byte_level(tokenizer)
         self.chosen: list[tuple[int, float]] = []
         self.likeliest: list[list[tuple[int, float]]] = []
+        self.offsets = [0]  # of each token's text in the reply's, and where the next one's would start
 
     def add(self, tokens: list[int], logits: torch.Tensor) -> None:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         picked = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
         self.chosen += zip(tokens, picked)
+        for token in tokens:
+            self.offsets.append(self.offsets[-1] + len(self._token(token, 0.0)["token"]))
         if self.top:
             values, ids = logprobs.topk(self.top, dim=-1)
             self.likeliest += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
@@ -827,13 +830,9 @@ class _Logprobs:
         if chat:
             return {"content": [{**self._token(t, p), "top_logprobs": [self._token(i, v) for i, v in top]}
                                 for (t, p), top in zip(chosen, likeliest)], "refusal": None}
-        texts = [self._token(t, p)["token"] for t, p in self.chosen[:end]]
-        offsets = [0]
-        for text in texts[:-1]:
-            offsets.append(offsets[-1] + len(text))
-        return {"tokens": texts[start:], "token_logprobs": [p for _, p in chosen],
+        return {"tokens": [self._token(t, p)["token"] for t, p in chosen], "token_logprobs": [p for _, p in chosen],
                 "top_logprobs": [{self._token(i, v)["token"]: v for i, v in top} for top in likeliest]
-                if self.top else None, "text_offset": offsets[start:]}
+                if self.top else None, "text_offset": self.offsets[start:end]}
 
     def _token(self, token: int, logprob: float) -> dict:
         raw = token_bytes(self.tokenizer, token, self.byte_level)
@@ -890,7 +889,7 @@ class OpenAIPenalties(LogitsProcessor):
         vocabulary or of more than 100 either way."""
         bias = {}
         for key, value in (body.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= vocabulary:
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocabulary:
                 raise APIError(400, f"logit_bias keys must be token ids in [0, {vocabulary}), got {key!r}", "logit_bias")
             if not -100 <= value <= 100:
                 raise APIError(400, f"logit_bias values must be in [-100, 100], got {value} for token {key}",
