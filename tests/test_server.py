@@ -209,7 +209,10 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
          "token ids in [0, 49152), got '99999999'", "logit_bias"),
         ("chat", {"model": MODEL, "messages": HI, "logit_bias": {"5": 101}}, 400, "in [-100, 100], got 101.0 for token 5",
          "logit_bias"),
-        ("completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "not supported", "echo"),
+        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400,
+         "max_tokens must be at least 1 (0 only with a text completion's echo", "max_tokens"),
+        ("chat", {"model": MODEL, "messages": HI, "max_tokens": 0}, 400,
+         "max_tokens must be at least 1", "max_tokens"),
         ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "less than or equal to 5",
          "logprobs"),
         ("completions", {"model": MODEL, "prompt": "hi", "suffix": "bye"}, 400, "not supported", "suffix"),
@@ -232,7 +235,8 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
          "oversized-prompt", "max-tokens-past-max-length", "max-completion-tokens-past-max-length", "bad-lookahead",
          "seed-past-64-bits", "stream-options-without-stream", "user-content-null", "image-part",
          "top-logprobs-past-20", "top-logprobs-without-logprobs", "tools", "tool-choice", "json-response-format",
-         "presence-penalty-past-2", "logit-bias-word", "logit-bias-superscript-digit", "logit-bias-past-vocabulary", "logit-bias-past-100", "echo",
+         "presence-penalty-past-2", "logit-bias-word", "logit-bias-superscript-digit",
+         "logit-bias-past-vocabulary", "logit-bias-past-100", "zero-tokens-without-echo", "zero-chat-tokens",
          "completion-logprobs", "suffix", "best-of", "completion-max-completion-tokens", "stream-a-string",
          "temperature-a-boolean", "n-a-float", "include-usage-a-number", "stop-list-with-a-number",
          "lookahead-window-a-string", "role-a-number", "unknown-role"],
@@ -902,3 +906,33 @@ def test_openai_penalties_match_their_definition_on_random_replies():
                                                  torch.randn(3, generator=generator) * 50)}
         expected = _ReferencePenalties(prompt, frequency, presence, bias)(ids, scores)
         torch.testing.assert_close(OpenAIPenalties(prompt, frequency, presence, bias)(ids, scores), expected)
+
+
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, default_model):
+    """`echo` with `max_tokens: 0` and `logprobs` (how lm-evaluation-harness scores a text over the completions
+    API): the prompt's tokens with the model's log-probability of each after the ones before it (the first
+    has none); with tokens to generate, the reply follows the prompt, in the text and in the logprobs."""
+    url, _ = server
+    model, tokenizer = default_model
+    prompt = "The capital of France is Paris"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+    scored = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                            temperature=0)
+    logprobs = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert "".join(logprobs.tokens) == prompt and logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs[0] is None and all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+    assert logprobs.token_logprobs[1:] == pytest.approx(
+        expected[torch.arange(ids.shape[1] - 1), ids[0, 1:]].tolist(), abs=1e-4)
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(ids.shape[1])]
+
+    reply = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=6, echo=True, logprobs=0,
+                                           temperature=0)
+    alone = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=6, logprobs=0, temperature=0)
+    assert reply.choices[0].text == prompt + alone.choices[0].text
+    assert reply.choices[0].logprobs.tokens == logprobs.tokens + alone.choices[0].logprobs.tokens
+    streamed = list(client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=6, echo=True,
+                                                   temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == reply.choices[0].text

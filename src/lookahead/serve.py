@@ -85,7 +85,7 @@ class _Common(_Body):
     # Unknown fields are kept: those of OpenAI's API that would change the reply are refused (`refuse_unsupported`).
     model_config = ConfigDict(extra="allow")
     model: str
-    max_tokens: int | None = Field(None, ge=1, strict=True)
+    max_tokens: int | None = Field(None, ge=0, strict=True)  # 0: only with a text completion's echo
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=INT64[0], le=INT64[1], strict=True)
@@ -162,9 +162,9 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str
     logprobs: int | None = Field(None, ge=0, le=5, strict=True)
+    echo: bool = False  # the reply's text starts with the prompt's (and its logprobs with the prompt tokens')
 
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "echo": (False,), "suffix": ("",), "best_of": (1,)}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"suffix": ("",), "best_of": (1,)}
     PROMPT_FIELD: ClassVar[str] = "prompt"
 
     def refuse_unsupported(self) -> None:
@@ -518,6 +518,9 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         limit, asked = body.token_limit()
         if asked is None:
             return min(DEFAULT_MAX_TOKENS, room)
+        if asked == 0 and not getattr(body, "echo", False):
+            raise APIError(400, f"{limit} must be at least 1 (0 only with a text completion's echo: the prompt "
+                                "scored, nothing generated)", limit)
         if asked > room:
             raise APIError(400, f"the prompt ({size} tokens) + {limit} ({asked}) exceeds the server's max_length of "
                                 f"{engine.max_length} positions; {limit} can be at most {room} for this prompt", limit)
@@ -538,12 +541,15 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         started = time.time()
         arrived = time.perf_counter()
-        rid, stream = await runner.add(prompt, params)
+        echoed = body.prompt if getattr(body, "echo", False) else ""
+        top = body.logprobs_asked()
+        logprobs = _Logprobs(tokenizer, top) if top is not None else None
+        if echoed and logprobs is not None:  # beside the engine's thread: transformers' own forward of the prompt
+            logprobs.add_prompt(prompt.tolist(), await asyncio.to_thread(_prompt_logits, model, prompt))
+        rid, stream = await runner.add(prompt, params) if params.max_new_tokens else (None, None)
         metrics.requests.labels("chat" if chat else "completions").inc()
         metrics.prompt_tokens.inc(prompt.numel())
         reply = _Reply(tokenizer, stops, eos_ids(model, params.eos_token_id))
-        top = body.logprobs_asked()
-        logprobs = _Logprobs(tokenizer, top) if top is not None else None
         steps = 0  # decoding steps that gave this request tokens
         name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
@@ -555,6 +561,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
             APIError of an engine failure."""
             nonlocal steps
             last = None
+            if stream is None:  # echo alone: nothing to generate
+                return
             try:
                 while True:
                     output = await stream.queue.get()
@@ -595,7 +603,9 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
             choice = ({"index": 0, "delta": ({"content": piece} if piece is not None else {}), "finish_reason": finish}
                       if chat else {"index": 0, "text": piece or "", "finish_reason": finish})
             if logprobs is not None:  # those of the tokens that came since the last chunk, the text maybe later
-                choice["logprobs"] = logprobs.body(chat, sent, reply.tokens) if reply.tokens > sent else None
+                echoed_tokens = logprobs.echoed
+                choice["logprobs"] = (logprobs.body(chat, echoed_tokens + sent, echoed_tokens + reply.tokens)
+                                      if reply.tokens > sent else None)
                 sent = reply.tokens
             return {"id": name, "object": f"{kind}.chunk" if chat else kind, "created": int(started),
                     "model": model_name, "choices": [choice]}
@@ -606,6 +616,11 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                     first = chunk(None, None)
                     first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                     yield f"data: {json.dumps(first)}\n\n"
+                if echoed:
+                    prompt_chunk = chunk(echoed, None)
+                    if logprobs is not None:
+                        prompt_chunk["choices"][0]["logprobs"] = logprobs.body(chat, 0, logprobs.echoed)
+                    yield f"data: {json.dumps(prompt_chunk)}\n\n"
                 try:
                     async for piece in outputs():
                         if await request.is_disconnected():
@@ -629,9 +644,9 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         if text is None:
             return Response(status_code=499)  # the client has gone: nobody reads this
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reply.finish_reason}
-                  if chat else {"index": 0, "text": text, "finish_reason": reply.finish_reason})
+                  if chat else {"index": 0, "text": echoed + text, "finish_reason": reply.finish_reason})
         if logprobs is not None:
-            choice["logprobs"] = logprobs.body(chat, 0, reply.tokens)
+            choice["logprobs"] = logprobs.body(chat, 0, logprobs.echoed + reply.tokens)
         return {"id": name, "object": kind, "created": int(started), "model": model_name, "choices": [choice],
                 "usage": usage()}
 
@@ -808,35 +823,56 @@ class _Logprobs:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, top: int) -> None:
         self.tokenizer, self.top = tokenizer, top
         self.byte_level = decodes_byte_level(tokenizer)
-        self.chosen: list[tuple[int, float]] = []
-        self.likeliest: list[list[tuple[int, float]]] = []
+        self.chosen: list[tuple[int, float | None]] = []
+        self.likeliest: list[list[tuple[int, float]] | None] = []
         self.offsets = [0]  # of each token's text in the reply's, and where the next one's would start
+        self.echoed = 0  # the prompt's tokens, first (`add_prompt`): indices below count them
+
+    def add_prompt(self, tokens: list[int], logits: torch.Tensor) -> None:
+        """An echoed prompt's tokens, before any of the reply's: the first has no log-probability (nothing
+        before it), each other one's from `logits` ([len(tokens) - 1, vocab]: after each token but the last)."""
+        self.chosen.append((tokens[0], None))
+        self.likeliest.append(None)
+        self._add_texts(tokens[:1])
+        self.add(tokens[1:], logits)
+        self.echoed = len(tokens)
 
     def add(self, tokens: list[int], logits: torch.Tensor) -> None:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         picked = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
         self.chosen += zip(tokens, picked)
-        for token in tokens:
-            self.offsets.append(self.offsets[-1] + len(self._token(token, 0.0)["token"]))
+        self._add_texts(tokens)
         if self.top:
             values, ids = logprobs.topk(self.top, dim=-1)
             self.likeliest += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
         else:
             self.likeliest += [[] for _ in tokens]
 
+    def _add_texts(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.offsets.append(self.offsets[-1] + len(self._token(token, 0.0)["token"]))
+
     def body(self, chat: bool, start: int, end: int) -> dict:
-        """The `logprobs` of a choice for the reply's tokens start..end."""
+        """The `logprobs` of a choice for the tokens start..end (an echoed prompt's first, then the reply's)."""
         chosen, likeliest = self.chosen[start:end], self.likeliest[start:end]
         if chat:
             return {"content": [{**self._token(t, p), "top_logprobs": [self._token(i, v) for i, v in top]}
                                 for (t, p), top in zip(chosen, likeliest)], "refusal": None}
         return {"tokens": [self._token(t, p)["token"] for t, p in chosen], "token_logprobs": [p for _, p in chosen],
-                "top_logprobs": [{self._token(i, v)["token"]: v for i, v in top} for top in likeliest]
-                if self.top else None, "text_offset": self.offsets[start:end]}
+                "top_logprobs": [None if top is None else {self._token(i, v)["token"]: v for i, v in top}
+                                 for top in likeliest] if self.top else None,
+                "text_offset": self.offsets[start:end]}
 
-    def _token(self, token: int, logprob: float) -> dict:
+    def _token(self, token: int, logprob: float | None) -> dict:
         raw = token_bytes(self.tokenizer, token, self.byte_level)
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def _prompt_logits(model: PreTrainedModel, prompt: torch.Tensor) -> torch.Tensor:
+    """The model's float32 logits after each prompt token but the last ([n - 1, vocab]), from transformers' own
+    forward (on the caller's thread: the engine's own forwards go on meanwhile)."""
+    with torch.inference_mode():
+        return model(input_ids=prompt.view(1, -1).to(model.device), use_cache=False).logits[0, :-1].float().cpu()
 
 
 @functools.cache
