@@ -936,3 +936,37 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, default_mode
     streamed = list(client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=6, echo=True,
                                                    temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in streamed if c.choices) == reply.choices[0].text
+
+
+def test_a_completion_of_several_prompts_or_of_token_ids_has_a_choice_for_each(server, default_model):
+    """`prompt` as a list of strings, token ids or lists of token ids (what lm-evaluation-harness and
+    OpenAI's client send): a choice per prompt, in order, each its prompt's greedy reply; usage summed."""
+    url, _ = server
+    _, tokenizer = default_model
+    texts = ["The capital of France is", "def add(a, b):"]
+    alone = [client(url).completions.create(model=MODEL, prompt=t, max_tokens=6, temperature=0) for t in texts]
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    for prompt in (texts, ids):
+        reply = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+        assert [c.index for c in reply.choices] == [0, 1]
+        assert [c.text for c in reply.choices] == [a.choices[0].text for a in alone]
+        assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+        assert reply.usage.prompt_tokens == sum(map(len, ids))
+    one = client(url).completions.create(model=MODEL, prompt=ids[0], max_tokens=6, temperature=0, echo=True)
+    assert one.choices[0].text == texts[0] + alone[0].choices[0].text
+    for body, words in (({"prompt": [texts[0], "x" * 8000]}, "max_length of 1024"),
+                        ({"prompt": [[5, 10**6]]}, "prompt token ids must be in [0, 49152), got 1000000"),
+                        ({"prompt": []}, "prompt must not be empty"),
+                        ({"prompt": texts, "stream": True}, "a streamed completion takes one prompt"),
+                        ({"prompt": [1, "a"]}, "a string, a list of strings, a list of token ids")):
+        code, error = raw(f"{url}/v1/completions", {"model": MODEL, "max_tokens": 2, **body})
+        assert code == 400 and words in error["error"]["message"] and error["error"]["param"] == "prompt", body
+    assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
+
+
+def test_a_completion_of_more_prompts_than_the_server_holds_gets_429_and_ends_them_all(server):
+    url, app = server
+    code, error = raw(f"{url}/v1/completions", {"model": MODEL, "prompt": ["Hi"] * 50, "max_tokens": 50})
+    assert code == 429 and error["error"]["type"] == "rate_limit_error"
+    _settled(app)  # the prompts that had got in were dropped with the request, not decoded to their end
+    assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})

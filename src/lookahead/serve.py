@@ -102,6 +102,7 @@ class _Common(_Body):
     # What a field of several types may be, for the message when a value is none of them.
     UNIONS: ClassVar[dict[str, str]] = {
         "stop": "a string or a list of strings",
+        "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
         "lookahead": '"auto", "off" or an object of integers {"window": W, "ngram": N, "guesses": G}'}
 
     # OpenAI's fields that this server does not implement, each with the values that ask for nothing more
@@ -147,20 +148,21 @@ class ChatRequest(_Common):
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def prompt_ids(self, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
-        """The conversation through the chat template (or its texts joined by lines without one)."""
+    def prompts(self, tokenizer: PreTrainedTokenizerBase, vocabulary: int) -> list[tuple[torch.Tensor, str]]:
+        """The conversation through the chat template (or its texts joined by lines without one); no text (a chat
+        reply does not echo)."""
         turns = [{"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
                  for i, m in enumerate(self.messages)]
         if not has_chat_template(tokenizer):
-            return tokenizer("\n".join(turn["content"] for turn in turns), return_tensors="pt")["input_ids"][0]
+            return [(tokenizer("\n".join(turn["content"] for turn in turns), return_tensors="pt")["input_ids"][0], "")]
         try:
-            return encode_messages(tokenizer, turns)[0]
+            return [(encode_messages(tokenizer, turns)[0], "")]
         except jinja2.TemplateError as error:  # a template's raise_exception, e.g. "roles must alternate"
             raise APIError(400, f"the model's chat template refuses these messages: {error}", "messages") from error
 
 
 class CompletionRequest(_Common):
-    prompt: str
+    prompt: str | list[str] | list[int] | list[list[int]]  # several: a choice for each, in their order
     logprobs: int | None = Field(None, ge=0, le=5, strict=True)
     echo: bool = False  # the reply's text starts with the prompt's (and its logprobs with the prompt tokens')
 
@@ -173,8 +175,23 @@ class CompletionRequest(_Common):
                                 "max_tokens", "max_completion_tokens")
         super().refuse_unsupported()
 
-    def prompt_ids(self, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
-        return tokenizer(self.prompt, return_tensors="pt")["input_ids"][0]
+    def prompts(self, tokenizer: PreTrainedTokenizerBase, vocabulary: int) -> list[tuple[torch.Tensor, str]]:
+        """Each prompt's token ids and text (token ids given: their decoded text); 400 for none or for a token
+        id outside the vocabulary."""
+        given = [self.prompt] if isinstance(self.prompt, str) or (
+            self.prompt and isinstance(self.prompt[0], int)) else self.prompt
+        if not given:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        prompts = []
+        for text in given:
+            if isinstance(text, str):
+                prompts.append((tokenizer(text, return_tensors="pt")["input_ids"][0], text))
+                continue
+            outside = [t for t in text if not 0 <= t < vocabulary]
+            if outside:
+                raise APIError(400, f"prompt token ids must be in [0, {vocabulary}), got {outside[0]}", "prompt")
+            prompts.append((torch.tensor(text, dtype=torch.long), tokenizer.decode(text)))
+        return prompts
 
     def logprobs_asked(self) -> int | None:
         return self.logprobs
@@ -537,11 +554,13 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                              corpus=corpus, output_logits=body.logprobs_asked() is not None,
                              logits_processor=[penalties] if penalties is not None else None)
 
-    async def run(request: Request, body: RequestBody, prompt: torch.Tensor, params: RequestParams, chat: bool):
+    async def run(request: Request, body: RequestBody, prompt: torch.Tensor, params: RequestParams, chat: bool,
+                  text: str = ""):
+        """One prompt's reply (`text`: its text, which `echo` repeats)."""
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         started = time.time()
         arrived = time.perf_counter()
-        echoed = body.prompt if getattr(body, "echo", False) else ""
+        echoed = text if getattr(body, "echo", False) else ""
         top = body.logprobs_asked()
         logprobs = _Logprobs(tokenizer, top) if top is not None else None
         if echoed and logprobs is not None:  # beside the engine's thread: transformers' own forward of the prompt
@@ -654,8 +673,27 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         key = authorise(request)  # before the body is read: without a key, a malformed body gets 401 too
         body = await _parse(request, schema)
         refuse(body)
-        prompt = body.prompt_ids(tokenizer)
-        return await run(request, body, prompt, params_of(body, key, prompt), chat=schema is ChatRequest)
+        chat = schema is ChatRequest
+        prompts = [(ids, text, params_of(body, key, ids))  # every prompt checked before any is decoded
+                   for ids, text in body.prompts(tokenizer, vocabulary_size(model))]
+        if len(prompts) == 1:
+            return await run(request, body, *prompts[0][::2], chat=chat, text=prompts[0][1])
+        if body.stream:
+            raise APIError(400, "a streamed completion takes one prompt; send the others as requests of their own",
+                           "prompt")
+        try:
+            async with asyncio.TaskGroup() as group:  # one failing ends the others
+                tasks = [group.create_task(run(request, body, ids, params, chat=chat, text=text))
+                         for ids, text, params in prompts]
+        except ExceptionGroup as failed:
+            raise next((e for e in failed.exceptions if isinstance(e, APIError)), failed.exceptions[0]) from None
+        replies = [task.result() for task in tasks]
+        gone = next((reply for reply in replies if isinstance(reply, Response)), None)
+        if gone is not None:  # the client left
+            return gone
+        merged = dict(replies[0], choices=[dict(r["choices"][0], index=i) for i, r in enumerate(replies)])
+        merged["usage"] = {name: sum(r["usage"][name] for r in replies) for name in replies[0]["usage"]}
+        return merged
 
     @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatRequest))
     async def chat_completions(request: Request):
