@@ -221,6 +221,10 @@ def _worker(rank: int, workers: int, rendezvous: str, threads: int, timeout: tim
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=workers, timeout=timeout)
+        # Every worker connected before any goes on: a worker's side of the mesh can be up while another's is
+        # still connecting, and a target without collectives could then end and close it under that one
+        # ("connectFullMesh failed: Connection closed by peer": 2 of 60 calls on a busy machine, none of 120 after).
+        dist.barrier()
         result = target(*args)
         if rank == 0:  # plain pickle: tensors travel by value, not as shared memory that dies with the process
             messages.put(("result", pickle.dumps(result)))
