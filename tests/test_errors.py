@@ -164,10 +164,11 @@ def _corpus_beyond_the_vocabulary() -> Corpus:
         ({"generation_config": {"top_k": 3}}, TypeError, "generation_config must be a transformers GenerationConfig"),
         ({"num_beams": 4}, ValueError, r"num_beams=4 \(generation config\) asks for a search"),
         ({"output_logits": "yes"}, ValueError, "output_logits must be a bool, got 'yes'"),
+        ({"output_attentions": True}, ValueError, "output_attentions=True: lookahead's generate returns scores"),
     ],
     ids=["temperature", "top-p", "eos-float", "eos-string", "eos-negative", "pad", "corpus-type",
          "corpus-vocabulary", "no-prompt", "text-prompt", "proposer", "empty-row", "unknown-option",
-         "generation-config-type", "beam-search", "output-logits-type"],
+         "generation-config-type", "beam-search", "output-logits-type", "attentions"],
 )
 def test_bad_options_are_refused_before_any_work(llama_tiny, tmp_path, monkeypatch, kwargs, error, message):
     """Even where nothing is measured yet (an empty cost-curve cache: the engine would first time the model),

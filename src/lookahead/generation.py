@@ -189,7 +189,8 @@ def _per_position(rows: dict[int, list[torch.Tensor]], ids: list[int], pad: int,
 def _generation_config(model: PreTrainedModel, given: GenerationConfig | None, options: dict) -> GenerationConfig:
     """The generation config a call decodes by, as `model.generate` makes it: `given` (else a blank one), its
     unset fields from the model's, then `options` (generation config fields) over it; the model's own where the
-    call sets nothing. Raises TypeError for an option that is not a generation config field."""
+    call sets nothing. Raises TypeError for an option that is not a generation config field, ValueError for
+    attentions or hidden states asked for (nothing here returns them)."""
     if given is not None and not isinstance(given, GenerationConfig):
         raise TypeError(f"generation_config must be a transformers GenerationConfig or None, got "
                         f"{type(given).__name__}")
@@ -201,6 +202,10 @@ def _generation_config(model: PreTrainedModel, given: GenerationConfig | None, o
     if unknown:
         raise TypeError(f"generate() got options that are neither its arguments nor generation config fields: "
                         f"{', '.join(sorted(unknown))}")
+    for name in ("output_attentions", "output_hidden_states"):
+        if getattr(config, name, False):
+            raise ValueError(f"{name}=True: lookahead's generate returns scores and logits, not attentions or "
+                             "hidden states")
     return config
 
 
