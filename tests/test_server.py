@@ -970,3 +970,21 @@ def test_a_completion_of_more_prompts_than_the_server_holds_gets_429_and_ends_th
     assert code == 429 and error["error"]["type"] == "rate_limit_error"
     _settled(app)  # the prompts that had got in were dropped with the request, not decoded to their end
     assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
+
+
+def test_echo_alone_and_streamed_with_logprobs(server):
+    """`echo` with nothing to generate and no logprobs gives the prompt back; streamed with logprobs, the first
+    chunk carries the prompt's tokens and the later ones the reply's, in order."""
+    url, _ = server
+    prompt = "Roses are red"
+    alone = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True)
+    assert alone.choices[0].text == prompt and alone.choices[0].logprobs is None
+    assert alone.usage.completion_tokens == 0 and alone.choices[0].finish_reason == "length"
+    whole = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=5, echo=True, logprobs=1,
+                                           temperature=0)
+    chunks = [c for c in client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=5, echo=True,
+                                                        logprobs=1, temperature=0, stream=True) if c.choices]
+    assert chunks[0].choices[0].text == prompt and chunks[0].choices[0].logprobs.token_logprobs[0] is None
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == whole.choices[0].logprobs.tokens
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
