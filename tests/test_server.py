@@ -199,6 +199,13 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
         ("chat", {"model": MODEL, "messages": HI, "tool_choice": "required"}, 400, "not supported", "tool_choice"),
         ("chat", {"model": MODEL, "messages": HI, "response_format": {"type": "json_object"}}, 400, "not supported",
          "response_format"),
+        ("chat", {"model": MODEL, "messages": HI, "repetition_penalty": 1.5}, 400, "repetition_penalty is not "
+         "supported by this server: leave it out or set it to 1", "repetition_penalty"),
+        ("completions", {"model": MODEL, "prompt": "hi", "min_p": 0.9}, 400, "min_p is not supported",
+         "min_p"),
+        ("chat", {"model": MODEL, "messages": HI, "modalities": ["text", "audio"]}, 400, "modalities is not "
+         "supported", "modalities"),
+        ("chat", {"model": MODEL, "messages": HI, "top_k": -2}, 400, "greater than or equal to -1", "top_k"),
         ("chat", {"model": MODEL, "messages": HI, "presence_penalty": 2.5}, 400, "less than or equal to 2",
          "presence_penalty"),
         ("chat", {"model": MODEL, "messages": HI, "logit_bias": {"the": 5}}, 400, "logit_bias keys must be token ids",
@@ -235,6 +242,7 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
          "oversized-prompt", "max-tokens-past-max-length", "max-completion-tokens-past-max-length", "bad-lookahead",
          "seed-past-64-bits", "stream-options-without-stream", "user-content-null", "image-part",
          "top-logprobs-past-20", "top-logprobs-without-logprobs", "tools", "tool-choice", "json-response-format",
+         "repetition-penalty", "min-p", "audio-modality", "top-k-below-minus-1",
          "presence-penalty-past-2", "logit-bias-word", "logit-bias-superscript-digit",
          "logit-bias-past-vocabulary", "logit-bias-past-100", "zero-tokens-without-echo", "zero-chat-tokens",
          "completion-logprobs", "suffix", "best-of", "completion-max-completion-tokens", "stream-a-string",
@@ -988,3 +996,39 @@ def test_echo_alone_and_streamed_with_logprobs(server):
     streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert streamed == whole.choices[0].logprobs.tokens
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+def test_echo_with_logprobs_of_a_one_token_prompt(server):
+    """A prompt of one token has no log-probability to give: its entry is null (an empty list of the others
+    had crashed the request with a 500)."""
+    url, _ = server
+    for prompt in ("hi", [5]):
+        reply = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+        assert reply.choices[0].logprobs.token_logprobs == [None] and reply.choices[0].logprobs.top_logprobs == [None]
+
+
+def test_a_fault_of_the_servers_own_is_a_500_in_openais_error_schema(server, monkeypatch):
+    import lookahead.serve
+
+    def broken(*_):
+        raise RuntimeError("a bug")
+
+    url, _ = server
+    monkeypatch.setattr(lookahead.serve._Logprobs, "add_prompt", broken)
+    code, reply = raw(f"{url}/v1/completions", {"model": MODEL, "prompt": "hi there", "max_tokens": 0, "echo": True,
+                                                "logprobs": 1})
+    assert code == 500 and reply["error"]["type"] == "server_error" and "RuntimeError: a bug" in reply["error"]["message"]
+    assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
+
+
+def test_top_k_limits_sampling_and_vllms_defaults_are_accepted(server, default_model):
+    """vLLM's `top_k` (sent by Open WebUI, LiteLLM): top-k 1 samples the greedy reply whatever the seed; its
+    other extensions are accepted at the values that ask for nothing."""
+    url, _ = server
+    question = "Name three colours of the rainbow."
+    expected = greedy_text(default_model, question, 12)
+    for seed in (1, 2):
+        code, body = raw(f"{url}/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": 12,
+            "temperature": 1.0, "seed": seed, "top_k": 1, "min_p": 0, "repetition_penalty": 1, "ignore_eos": False})
+        assert code == 200 and body["choices"][0]["message"]["content"] == expected

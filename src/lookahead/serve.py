@@ -88,6 +88,7 @@ class _Common(_Body):
     max_tokens: int | None = Field(None, ge=0, strict=True)  # 0: only with a text completion's echo
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, strict=True)  # vLLM's extension: -1 or 0 keep every token
     seed: int | None = Field(None, ge=INT64[0], le=INT64[1], strict=True)
     stop: str | list[str] | None = None
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -107,7 +108,9 @@ class _Common(_Body):
 
     # OpenAI's fields that this server does not implement, each with the values that ask for nothing more
     # than what it does (the first one is the one to suggest).
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "repetition_penalty": (1,), "min_p": (0,), "ignore_eos": (False,), "min_tokens": (0,), "stop_token_ids": ([],),
+        "modalities": (["text"],), "audio": (), "web_search_options": ()}  # vLLM's extensions, OpenAI's audio and search
 
     def refuse_unsupported(self) -> None:
         """400 for the first field set to a value that asks for more than this server does."""
@@ -133,7 +136,7 @@ class ChatRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "tools": ([],),
+        **_Common.UNSUPPORTED, "tools": ([],),
         "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
         "response_format": ({"type": "text"},)}
     PROMPT_FIELD: ClassVar[str] = "messages"
@@ -166,7 +169,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=5, strict=True)
     echo: bool = False  # the reply's text starts with the prompt's (and its logprobs with the prompt tokens')
 
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"suffix": ("",), "best_of": (1,)}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_Common.UNSUPPORTED, "suffix": ("",), "best_of": (1,)}
     PROMPT_FIELD: ClassVar[str] = "prompt"
 
     def refuse_unsupported(self) -> None:
@@ -498,6 +501,13 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status)
 
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, error: Exception) -> JSONResponse:  # a fault of ours: said as OpenAI says it
+        traceback.print_exception(error)
+        failure = APIError(500, f"the server failed on this request ({type(error).__name__}: {error})",
+                           kind="server_error")
+        return JSONResponse(failure.body(), status_code=500)
+
     def authorise(request: Request) -> str | None:
         if not api_keys:
             return None
@@ -550,7 +560,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         penalties = OpenAIPenalties.of(body, prompt.numel(), vocabulary_size(model))
         return RequestParams(max_new_tokens=new_tokens(body, prompt), config=_lookahead_config(body.lookahead),
                              do_sample=body.temperature > 0, temperature=body.temperature or None,
-                             top_p=body.top_p, top_k=0, seed=body.seed if body.temperature > 0 else None,
+                             top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed if body.temperature > 0 else None,
                              corpus=corpus, output_logits=body.logprobs_asked() is not None,
                              logits_processor=[penalties] if penalties is not None else None)
 
@@ -877,7 +887,7 @@ class _Logprobs:
 
     def add(self, tokens: list[int], logits: torch.Tensor) -> None:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        picked = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+        picked = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
         self.chosen += zip(tokens, picked)
         self._add_texts(tokens)
         if self.top:
