@@ -355,3 +355,12 @@ def test_options_that_are_no_generation_config_field_or_ask_for_another_search_a
     with pytest.raises(ValueError, match=r"num_beams=4 \(generation config\) asks for a search lookahead does not "
                                          r"decode with; leave it at 1"):
         generate(model, PROMPT, max_new_tokens=2, num_beams=4)
+
+
+def test_scores_of_a_list_of_prompts_have_a_row_per_new_position():
+    """A list of prompts of different lengths (it had crashed): one [B, vocab] tensor per new position."""
+    model = make_tiny_model("llama")
+    out = generate(model, [[5, 6, 7], [8, 9, 10, 11, 12]], max_new_tokens=4, eos_token_id=[], output_logits=True)
+    assert len(out.logits) == 4 and out.logits[0].shape == (2, model.config.vocab_size)
+    alone = generate(model, [8, 9, 10, 11, 12], max_new_tokens=4, eos_token_id=[], output_logits=True)
+    torch.testing.assert_close(torch.stack(out.logits)[:, 1], torch.stack(alone.logits)[:, 0], rtol=1e-4, atol=1e-4)

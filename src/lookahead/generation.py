@@ -162,14 +162,15 @@ def generate(
     stats.accepted_by_source = dict(sum((Counter(s.accepted_by_source) for s in stats.per_sequence), Counter()))
     outputs = [generated[i] for i in ids]
     if layout is None:  # a list of prompts: each row is its prompt and its output
-        rows = [prompt.tolist() + output for prompt, output in zip(checked, outputs)]
-        width = max(map(len, rows))
-        sequences = torch.tensor([row + [pad] * (width - len(row)) for row in rows], dtype=torch.long)
+        texts = [prompt.tolist() + output for prompt, output in zip(checked, outputs)]
+        width = max(map(len, texts))
+        sequences = torch.tensor([text + [pad] * (width - len(text)) for text in texts], dtype=torch.long)
     else:
         width = max(map(len, outputs))
         new = torch.tensor([output + [pad] * (width - len(output)) for output in outputs], dtype=torch.long)
         sequences = torch.cat([layout, new.view(len(outputs), width)], dim=1)
-    return GenerateOutput(sequences, stats, *(_per_position(rows[kind], ids, pad, width) if wanted else None
+    positions = max(map(len, outputs))
+    return GenerateOutput(sequences, stats, *(_per_position(rows[kind], ids, pad, positions) if wanted else None
                                               for kind, wanted in (("scores", output_scores),
                                                                    ("logits", output_logits))))
 
