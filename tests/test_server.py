@@ -214,12 +214,16 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
          "logit_bias"),
         ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 5}}, 400,
          "token ids in [0, 49152), got '99999999'", "logit_bias"),
+        ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"1" * 5000: 5}}, 400,
+         "logit_bias keys must be token ids", "logit_bias"),
         ("chat", {"model": MODEL, "messages": HI, "logit_bias": {"5": 101}}, 400, "in [-100, 100], got 101.0 for token 5",
          "logit_bias"),
         ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400,
          "max_tokens must be at least 1 (0 only with a text completion's echo", "max_tokens"),
         ("chat", {"model": MODEL, "messages": HI, "max_tokens": 0}, 400,
          "max_tokens must be at least 1", "max_tokens"),
+        ("chat", {"model": MODEL, "messages": HI, "max_tokens": 0, "echo": True}, 400,
+         "echo is not supported", "echo"),
         ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "less than or equal to 5",
          "logprobs"),
         ("completions", {"model": MODEL, "prompt": "hi", "suffix": "bye"}, 400, "not supported", "suffix"),
@@ -244,7 +248,8 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
          "top-logprobs-past-20", "top-logprobs-without-logprobs", "tools", "tool-choice", "json-response-format",
          "repetition-penalty", "min-p", "audio-modality", "top-k-below-minus-1",
          "presence-penalty-past-2", "logit-bias-word", "logit-bias-superscript-digit",
-         "logit-bias-past-vocabulary", "logit-bias-past-100", "zero-tokens-without-echo", "zero-chat-tokens",
+         "logit-bias-past-vocabulary", "logit-bias-of-5000-digits", "logit-bias-past-100", "zero-tokens-without-echo",
+         "zero-chat-tokens", "chat-echo",
          "completion-logprobs", "suffix", "best-of", "completion-max-completion-tokens", "stream-a-string",
          "temperature-a-boolean", "n-a-float", "include-usage-a-number", "stop-list-with-a-number",
          "lookahead-window-a-string", "role-a-number", "unknown-role"],
@@ -972,12 +977,98 @@ def test_a_completion_of_several_prompts_or_of_token_ids_has_a_choice_for_each(s
     assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
 
 
-def test_a_completion_of_more_prompts_than_the_server_holds_gets_429_and_ends_them_all(server):
+def test_a_completion_of_more_prompts_than_the_server_holds_is_a_400(server):
+    """More prompts than max_batch + max_queue (4 + 40) could never get in together: a 429 ("retry later")
+    would fail again however long the client waited."""
     url, app = server
-    code, error = raw(f"{url}/v1/completions", {"model": MODEL, "prompt": ["Hi"] * 50, "max_tokens": 50})
-    assert code == 429 and error["error"]["type"] == "rate_limit_error"
-    _settled(app)  # the prompts that had got in were dropped with the request, not decoded to their end
+    code, error = raw(f"{url}/v1/completions", {"model": MODEL, "prompt": ["Hi"] * 45, "max_tokens": 50})
+    assert code == 400 and error["error"]["param"] == "prompt" and "at most 44 in one request" in error["error"]["message"]
     assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
+    reply = client(url).completions.create(model=MODEL, prompt=["Hi"] * 44, max_tokens=1)
+    assert len(reply.choices) == 44
+
+
+def test_prompt_scoring_waits_its_turn_and_a_full_server_says_when_to_retry(default_model, monkeypatch):
+    """Echoed prompts are scored one at a time (the logits of a 4096-token prompt take 800 MB), and those waiting
+    count against max_queue even with nothing to generate: beyond it a request gets 429 with Retry-After, before
+    any forward of its own (it had scored every prompt at once, whatever the queue)."""
+    import lookahead.serve
+
+    model, tokenizer = default_model
+    scoring, release, scored = threading.Event(), threading.Event(), []
+    score = lookahead.serve._PromptScorer._logits
+
+    def held(scorer, prompt):
+        scored.append(prompt.numel())
+        scoring.set()
+        release.wait(timeout=60)
+        return score(scorer, prompt)
+
+    monkeypatch.setattr(lookahead.serve._PromptScorer, "_logits", held)
+    app = create_app(model, tokenizer, model_name=MODEL, max_batch=1, max_queue=1, max_length=256)
+    body = {"model": MODEL, "prompt": "Roses are red", "max_tokens": 0, "echo": True, "logprobs": 1}
+    with serve_in_thread(app) as url, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(raw, f"{url}/v1/completions", body)
+        assert scoring.wait(timeout=30)
+        second = pool.submit(raw, f"{url}/v1/completions", body)
+        deadline = time.time() + 30
+        while app.state.prompt_scorer.waiting < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=60)
+        assert refused.value.code == 429 and refused.value.headers["Retry-After"] == "1"
+        assert json.loads(refused.value.read())["error"]["code"] == "rate_limit_exceeded"
+        release.set()
+        assert first.result()[0] == second.result()[0] == 200
+        assert first.result()[1]["choices"] == second.result()[1]["choices"]
+    assert scored == [4, 4]  # the refused request ran no forward
+
+
+def test_logprobs_of_tokens_that_split_a_character(server, default_model):
+    """An emoji is three of SmolLM2's tokens: a token holding part of a character is named by its bytes (two such
+    tokens had shared the key "\ufffd" of top_logprobs, one hiding the other), and text_offset counts the
+    characters before each token's (a partial token adds none)."""
+    url, _ = server
+    _, tokenizer = default_model
+    prompt = "Party \U0001f389 time \U0001f389\U0001f389 ok"
+    ids = tokenizer(prompt)["input_ids"]
+    reply = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=5)
+    logprobs = reply.choices[0].logprobs
+    assert reply.choices[0].text == prompt
+    assert logprobs.tokens[2:5] == ["bytes: \\xf0\\x9f", "bytes:\\x8e", "bytes:\\x89"]
+    assert all(len(top) == 5 for top in logprobs.top_logprobs[1:])
+    expected = [len(tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    assert logprobs.text_offset == expected and expected[3] == expected[4] == expected[2] + 1
+
+
+def test_errors_carry_openais_codes_and_unknown_routes_answer_in_its_schema(server):
+    url, _ = server
+    code, reply = raw(f"{url}/v1/chat/completions", {"model": "gpt-4", "messages": HI})
+    assert code == 404 and reply["error"]["code"] == "model_not_found"
+    code, reply = raw(f"{url}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5000})
+    assert code == 400 and reply["error"]["code"] == "context_length_exceeded"
+    code, reply = raw(f"{url}/v1/embeddings", {"model": MODEL, "input": "hi"})
+    assert code == 404 and reply["error"] == {"message": "Not Found", "type": "invalid_request_error", "param": None,
+                                              "code": None}
+    code, reply = raw(f"{url}/v1/completions")  # a GET
+    assert code == 405 and reply["error"]["message"] == "Method Not Allowed"
+
+
+def test_without_max_tokens_a_text_completion_gets_openais_16_and_a_chat_reply_the_context(server):
+    url, _ = server
+    completion = client(url).completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4, 5,", temperature=0)
+    assert completion.usage.completion_tokens == 16 and completion.choices[0].finish_reason == "length"
+    chat = client(url).chat.completions.create(model=MODEL, temperature=0, stream=True, messages=[
+        {"role": "user", "content": "Write the numbers from 1 to 200, separated by commas."}])
+    for chunk in chat:  # past the old default's cap of 256, and no finish meanwhile
+        assert chunk.choices[0].finish_reason is None
+        if chunk.model_extra.get("lookahead", {}).get("tokens", 0) > 256:
+            break
+    else:
+        pytest.fail("the reply ended before its 257th token")
+    chat.close()
 
 
 def test_echo_alone_and_streamed_with_logprobs(server):
@@ -1032,3 +1123,7 @@ def test_top_k_limits_sampling_and_vllms_defaults_are_accepted(server, default_m
             "model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": 12,
             "temperature": 1.0, "seed": seed, "top_k": 1, "min_p": 0, "repetition_penalty": 1, "ignore_eos": False})
         assert code == 200 and body["choices"][0]["message"]["content"] == expected
+        # OpenAI's top_p 0: the likeliest token alone (it had been refused)
+        reply = client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                                    max_tokens=12, temperature=1.0, top_p=0, seed=seed)
+        assert reply.choices[0].message.content == expected

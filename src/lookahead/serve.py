@@ -9,6 +9,7 @@ aborts its request, which frees its slot at the next step.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import functools
 import json
@@ -28,6 +29,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from transformers import LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
@@ -40,8 +42,11 @@ from .prompts import encode_messages, has_chat_template
 
 # The page at `/`: a chat box streaming from /v1/chat/completions, with tokens/s and tokens/step live.
 CHAT_PAGE = (resources.files(__package__) / "web" / "chat.html").read_text(encoding="utf-8")
-# Replies are this long at most when the client sets no max_tokens (less when the context has less room left).
-DEFAULT_MAX_TOKENS = 256
+# A text completion's reply is this long at most when the client sets no max_tokens, as in OpenAI's API (a chat
+# reply, as there, may take what is left of the context).
+DEFAULT_COMPLETION_TOKENS = 16
+# How long a client turned away for a full server should wait before retrying (`Retry-After`).
+RETRY_AFTER_SECONDS = 1
 # How often a non-streaming request checks that its client is still there.
 DISCONNECT_POLL_SECONDS = 0.25
 INT64 = (-(2**63), 2**63 - 1)  # a seed's range
@@ -49,13 +54,23 @@ T = TypeVar("T")
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
 
     def body(self) -> dict:
         """OpenAI's error schema."""
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if self.status == 429 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _server_full(max_batch: int, max_queue: int) -> APIError:
+    return APIError(429, f"the server is full ({max_batch} requests decode, {max_queue} may wait); retry later",
+                    kind="rate_limit_error", code="rate_limit_exceeded")
 
 
 class _Body(BaseModel):
@@ -87,7 +102,7 @@ class _Common(_Body):
     model: str
     max_tokens: int | None = Field(None, ge=0, strict=True)  # 0: only with a text completion's echo
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0: the likeliest token alone, as OpenAI takes it
     top_k: int = Field(0, ge=-1, strict=True)  # vLLM's extension: -1 or 0 keep every token
     seed: int | None = Field(None, ge=INT64[0], le=INT64[1], strict=True)
     stop: str | list[str] | None = None
@@ -120,9 +135,16 @@ class _Common(_Body):
                 allowed = f" or set it to {json.dumps(harmless[0])}" if harmless else ""
                 raise APIError(400, f"{name} is not supported by this server: leave it out{allowed}", name)
 
+    # New tokens at most without a cap from the client (None: what is left of the context).
+    DEFAULT_TOKENS: ClassVar[int | None] = None
+
     def token_limit(self) -> tuple[str, int | None]:
         """The client's cap on new tokens (None: none given) and the field it came in."""
         return "max_tokens", self.max_tokens
+
+    def echoes(self) -> bool:
+        """Whether the reply's text starts with the prompt's."""
+        return False
 
     def logprobs_asked(self) -> int | None:
         """None: no log-probabilities; k: each token's, with the k likeliest tokens at its position."""
@@ -136,7 +158,7 @@ class ChatRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_Common.UNSUPPORTED, "tools": ([],),
+        **_Common.UNSUPPORTED, "echo": (False,), "tools": ([],),
         "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
         "response_format": ({"type": "text"},)}
     PROMPT_FIELD: ClassVar[str] = "messages"
@@ -171,6 +193,10 @@ class CompletionRequest(_Common):
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_Common.UNSUPPORTED, "suffix": ("",), "best_of": (1,)}
     PROMPT_FIELD: ClassVar[str] = "prompt"
+    DEFAULT_TOKENS: ClassVar[int | None] = DEFAULT_COMPLETION_TOKENS
+
+    def echoes(self) -> bool:
+        return self.echo
 
     def refuse_unsupported(self) -> None:
         if (self.model_extra or {}).get("max_completion_tokens") is not None:  # else silently no cap at all
@@ -333,8 +359,7 @@ class EngineLoop:
         """`add`'s work, on the engine's thread; its answer set on the caller's loop."""
         try:
             if self.engine.running() + self.engine.waiting() >= self.engine.max_batch + self.max_queue:
-                raise APIError(429, f"the server is full ({self.engine.max_batch} requests decode, {self.max_queue} "
-                                    "may wait); retry later", kind="rate_limit_error")
+                raise _server_full(self.engine.max_batch, self.max_queue)
             try:
                 request = self.engine.add_request(prompt, params)
             except ValueError as error:
@@ -486,6 +511,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     engine = Engine(model, max_batch=max_batch, max_length=max_length, compile=compile)
     engine.warm_up()  # compiled steps: their shapes compile now, not during the first requests
     runner = EngineLoop(engine, max_queue)
+    score_prompt = _PromptScorer(model, max_queue, functools.partial(_server_full, max_batch, max_queue))
     corpora: dict[str | None, Corpus] = {}
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -495,11 +521,16 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     app = FastAPI(title="lookahead", lifespan=lifespan)
     metrics = Metrics(runner)
     app.state.engine_loop = runner
+    app.state.prompt_scorer = score_prompt
     app.state.corpora = corpora
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:  # an unknown route or method
+        return APIError(error.status_code, str(error.detail)).response()
 
     @app.exception_handler(Exception)
     async def server_error(_: Request, error: Exception) -> JSONResponse:  # a fault of ours: said as OpenAI says it
@@ -520,7 +551,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     def served(model_id: str) -> None:
         if model_id != model_name:
             raise APIError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}", "model",
-                           "not_found_error")
+                           "not_found_error", "model_not_found")
 
     def refuse(body: RequestBody) -> None:
         """400 (404 for another model) for what this server cannot answer as asked."""
@@ -533,24 +564,25 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
 
     def new_tokens(body: RequestBody, prompt: torch.Tensor) -> int:
         """The most tokens to generate: the client's max_tokens if prompt + it fits the engine's max_length;
-        without one, what is left of max_length (at most DEFAULT_MAX_TOKENS), so that any prompt that fits gets
-        a reply. 400 naming the field at fault otherwise."""
+        without one, the request type's default where it fits, else what is left of max_length, so that any
+        prompt that fits gets a reply. 400 naming the field at fault otherwise."""
         where, size = body.PROMPT_FIELD, prompt.numel()
         if size == 0:
             raise APIError(400, f"{where} must not be empty", where)
         room = engine.max_length - size
         if room < 1:
             raise APIError(400, f"{where} is {size} tokens long: with a token of reply it exceeds the server's "
-                                f"max_length of {engine.max_length} positions", where)
+                                f"max_length of {engine.max_length} positions", where, code="context_length_exceeded")
         limit, asked = body.token_limit()
         if asked is None:
-            return min(DEFAULT_MAX_TOKENS, room)
-        if asked == 0 and not getattr(body, "echo", False):
+            return min(body.DEFAULT_TOKENS or room, room)
+        if asked == 0 and not body.echoes():
             raise APIError(400, f"{limit} must be at least 1 (0 only with a text completion's echo: the prompt "
                                 "scored, nothing generated)", limit)
         if asked > room:
             raise APIError(400, f"the prompt ({size} tokens) + {limit} ({asked}) exceeds the server's max_length of "
-                                f"{engine.max_length} positions; {limit} can be at most {room} for this prompt", limit)
+                                f"{engine.max_length} positions; {limit} can be at most {room} for this prompt", limit,
+                           code="context_length_exceeded")
         return asked
 
     def params_of(body: RequestBody, key: str | None, prompt: torch.Tensor) -> RequestParams:
@@ -560,7 +592,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         penalties = OpenAIPenalties.of(body, prompt.numel(), vocabulary_size(model))
         return RequestParams(max_new_tokens=new_tokens(body, prompt), config=_lookahead_config(body.lookahead),
                              do_sample=body.temperature > 0, temperature=body.temperature or None,
-                             top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed if body.temperature > 0 else None,
+                             top_p=body.top_p or 1.0, top_k=1 if body.top_p == 0 else max(body.top_k, 0),
+                             seed=body.seed if body.temperature > 0 else None,
                              corpus=corpus, output_logits=body.logprobs_asked() is not None,
                              logits_processor=[penalties] if penalties is not None else None)
 
@@ -570,12 +603,17 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         started = time.time()
         arrived = time.perf_counter()
-        echoed = text if getattr(body, "echo", False) else ""
+        echoed = text if body.echoes() else ""
         top = body.logprobs_asked()
         logprobs = _Logprobs(tokenizer, top) if top is not None else None
-        if echoed and logprobs is not None:  # beside the engine's thread: transformers' own forward of the prompt
-            logprobs.add_prompt(prompt.tolist(), await asyncio.to_thread(_prompt_logits, model, prompt))
         rid, stream = await runner.add(prompt, params) if params.max_new_tokens else (None, None)
+        if echoed and logprobs is not None:  # the reply's tokens meanwhile wait in `stream`
+            try:
+                logprobs.add_prompt(prompt.tolist(), await score_prompt(prompt))
+            except BaseException:
+                if rid is not None:
+                    runner.abort(rid)
+                raise
         metrics.requests.labels("chat" if chat else "completions").inc()
         metrics.prompt_tokens.inc(prompt.numel())
         reply = _Reply(tokenizer, stops, eos_ids(model, params.eos_token_id))
@@ -686,6 +724,9 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         chat = schema is ChatRequest
         prompts = [(ids, text, params_of(body, key, ids))  # every prompt checked before any is decoded
                    for ids, text in body.prompts(tokenizer, vocabulary_size(model))]
+        if len(prompts) > max_batch + max_queue:  # a 429 would never pass: they could not all get in at once
+            raise APIError(400, f"prompt holds {len(prompts)} prompts; this server takes at most {max_batch + max_queue}"
+                                " in one request (--max-batch + --max-queue)", "prompt")
         if len(prompts) == 1:
             return await run(request, body, *prompts[0][::2], chat=chat, text=prompts[0][1])
         if body.stream:
@@ -874,6 +915,7 @@ class _Logprobs:
         self.chosen: list[tuple[int, float | None]] = []
         self.likeliest: list[list[tuple[int, float]] | None] = []
         self.offsets = [0]  # of each token's text in the reply's, and where the next one's would start
+        self._characters = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a character's first bytes
         self.echoed = 0  # the prompt's tokens, first (`add_prompt`): indices below count them
 
     def add_prompt(self, tokens: list[int], logits: torch.Tensor) -> None:
@@ -897,8 +939,10 @@ class _Logprobs:
             self.likeliest += [[] for _ in tokens]
 
     def _add_texts(self, tokens: list[int]) -> None:
+        """Offsets in characters: a token that ends inside a character adds none, the one that completes it one."""
         for token in tokens:
-            self.offsets.append(self.offsets[-1] + len(self._token(token, 0.0)["token"]))
+            raw = token_bytes(self.tokenizer, token, self.byte_level)
+            self.offsets.append(self.offsets[-1] + len(self._characters.decode(raw)))
 
     def body(self, chat: bool, start: int, end: int) -> dict:
         """The `logprobs` of a choice for the tokens start..end (an echoed prompt's first, then the reply's)."""
@@ -912,15 +956,44 @@ class _Logprobs:
                 "text_offset": self.offsets[start:end]}
 
     def _token(self, token: int, logprob: float | None) -> dict:
+        """A token as OpenAI writes it; one holding part of a character as its bytes ("bytes:\\xf0\\x9f"), so
+        that two such tokens never share a name (a key of a completion's top_logprobs)."""
         raw = token_bytes(self.tokenizer, token, self.byte_level)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(chr(byte) if 32 <= byte < 127 and byte != 92 else f"\\x{byte:02x}"
+                                      for byte in raw)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
-def _prompt_logits(model: PreTrainedModel, prompt: torch.Tensor) -> torch.Tensor:
-    """The model's float32 logits after each prompt token but the last ([n - 1, vocab]), from transformers' own
-    forward (on the caller's thread: the engine's own forwards go on meanwhile)."""
-    with torch.inference_mode():
-        return model(input_ids=prompt.view(1, -1).to(model.device), use_cache=False).logits[0, :-1].float().cpu()
+class _PromptScorer:
+    """The model's float32 logits after each token of an echoed prompt but the last ([n - 1, vocab]), from
+    transformers' own forward on a worker thread (the engine's steps go on meanwhile). One prompt at a time: the
+    logits of a 4096-token prompt take 800 MB; where `max_waiting` wait already, a request gets `full()` (429)."""
+
+    def __init__(self, model: PreTrainedModel, max_waiting: int, full: Callable[[], APIError]) -> None:
+        self.model, self.max_waiting, self.full = model, max_waiting, full
+        self.waiting = 0
+        self.lock = asyncio.Lock()
+
+    async def __call__(self, prompt: torch.Tensor) -> torch.Tensor:
+        if self.lock.locked() and self.waiting >= self.max_waiting:
+            raise self.full()
+        self.waiting += 1
+        try:
+            await self.lock.acquire()
+        finally:
+            self.waiting -= 1
+        # Held until the forward ends, even where the client has gone meanwhile (its thread cannot be stopped).
+        work = asyncio.ensure_future(asyncio.to_thread(self._logits, prompt))
+        work.add_done_callback(lambda _: self.lock.release())
+        return await asyncio.shield(work)
+
+    def _logits(self, prompt: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            ids = prompt.view(1, -1).to(self.model.device)
+            return self.model(input_ids=ids, use_cache=False).logits[0, :-1].float().cpu()
 
 
 @functools.cache
@@ -972,8 +1045,8 @@ class OpenAIPenalties(LogitsProcessor):
         """The request's penalties (None where it sets none); 400 for a logit bias of a token not in the model's
         vocabulary or of more than 100 either way."""
         bias = {}
-        for key, value in (body.logit_bias or {}).items():
-            if not (key.isascii() and key.isdigit()) or int(key) >= vocabulary:
+        for key, value in (body.logit_bias or {}).items():  # the length first: int() refuses 4301 digits
+            if not (key.isascii() and key.isdigit()) or len(key) > len(str(vocabulary)) or int(key) >= vocabulary:
                 raise APIError(400, f"logit_bias keys must be token ids in [0, {vocabulary}), got {key!r}", "logit_bias")
             if not -100 <= value <= 100:
                 raise APIError(400, f"logit_bias values must be in [-100, 100], got {value} for token {key}",
