@@ -4,6 +4,8 @@ of a context of learned positions."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import make_tiny_model, reference_greedy
@@ -64,6 +66,32 @@ def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torc
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     return ids, mask
+
+
+def test_processors_see_a_rows_left_padding_as_in_generate():
+    """`generate` hands its processors the padded rows: the pad tokens count for a no-repeat n-gram, and
+    `min_length` counts them (they had seen each row without its padding); its repetition penalty skips them
+    (the attention mask tells it where they are). The pad token here is one the short row would generate, so
+    that it matters."""
+    short = [11, 12, 13]
+    free = reference_greedy(make_tiny_model("llama"), torch.tensor([short]), 8, eos_token_id=[])[0, 3:].tolist()
+    pad = free[0]
+    ids, mask = _left_padded([PROMPT[0].tolist(), short], pad)
+    differ = {}
+    for name, value in [("repetition_penalty", 3.0), ("no_repeat_ngram_size", 1), ("min_length", ids.shape[1] + 4)]:
+        model = make_tiny_model("llama")
+        eos = [free[1]] if name == "min_length" else []
+        options = dict(max_new_tokens=8, eos_token_id=eos, pad_token_id=pad, **{name: value})
+        with torch.inference_mode():
+            expected = model.generate(ids, attention_mask=mask, do_sample=False, **options)
+            with warnings.catch_warnings():  # min_length past the unpadded row's max_length, which is the point
+                warnings.simplefilter("ignore")
+                unpadded = model.generate(torch.tensor([short]), do_sample=False, **options)[0, 3:]
+        out = generate(model, ids, attention_mask=mask, config=CONFIGS[1], **options)
+        assert out.sequences.tolist() == expected.tolist(), name
+        differ[name] = unpadded.tolist() != expected[1, ids.shape[1]:].tolist()[:len(unpadded)]
+    # where the padding counts, the short row's output depends on it: the test can tell
+    assert differ == {"repetition_penalty": False, "no_repeat_ngram_size": True, "min_length": True}
 
 
 @pytest.mark.parametrize("model_eos, call_eos", [(2, [36, 2]), ([36, 2], None), (None, 36)],
@@ -249,6 +277,23 @@ def test_scores_and_logits_are_generates(config):
     assert (ours[end:, 0, pad] == 0).all() and (ours[end:, 0].isinf().sum(dim=-1) == ours.shape[-1] - 1).all()
     transition = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
     assert (transition[0, end:] == 0).all() and (transition[:, :end] < 0).all()
+
+
+def test_scores_asked_by_the_generation_config_are_returned():
+    """`output_scores` / `output_logits` set in a generation config (the call's or the model's), as `generate`
+    takes them (they had been ignored: None came back)."""
+    from transformers import GenerationConfig
+
+    model = make_tiny_model("llama")
+    asked = generate(model, PROMPT, max_new_tokens=4, eos_token_id=[], output_scores=True, output_logits=True)
+    by_config = generate(model, PROMPT, max_new_tokens=4, eos_token_id=[],
+                         generation_config=GenerationConfig(output_scores=True, output_logits=True))
+    model.generation_config.output_scores = True
+    by_model = generate(model, PROMPT, max_new_tokens=4, eos_token_id=[])
+    for out in (by_config, by_model):
+        torch.testing.assert_close(torch.stack(out.scores), torch.stack(asked.scores))
+    torch.testing.assert_close(torch.stack(by_config.logits), torch.stack(asked.logits))
+    assert by_model.logits is None and generate(model, PROMPT, max_new_tokens=4, output_scores=False).scores is None
 
 
 def test_scores_are_refused_unless_asked_with_a_bool():

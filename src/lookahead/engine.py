@@ -22,7 +22,7 @@ import torch.distributed
 from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel
 
 from .config import AUTO_CONFIG, WINDOW_ROWS_BELOW, LookaheadConfig
-from .core.decoder import NO_PROPOSAL, LookaheadDecoder, Proposal, StepPlan
+from .core.decoder import NO_PROPOSAL, LogitsTransform, LookaheadDecoder, Proposal, StepPlan
 from .core.drafter import AcceptanceStats, node_counts
 from .core.drafts import Proposer
 from .core.prices import StepPrices
@@ -225,8 +225,10 @@ class Engine:
     def add_request(self, prompt_ids: torch.Tensor | list[int], params: RequestParams | None = None,
                     padding: torch.Tensor | Sequence[int] = ()) -> int:
         """Queue a request; its id. Raises ValueError, before any work, for a request that cannot run.
-        padding: the pad tokens in front of the prompt in the caller's batch row, which the request's stopping
-        criteria see in front of it (as `generate` hands them its left-padded rows); nothing else reads them."""
+        padding: the pad tokens in front of the prompt in the caller's batch row, which the request's logits
+        processors and stopping criteria see in front of it, as `generate` hands them its left-padded rows (a
+        repetition penalty counts them, `min_length` and the processors' prompt length include them); the model
+        never sees them."""
         params = RequestParams() if params is None else params
         config = check_params(self.model, params)
         prompt = check_request(self.model, prompt_ids, params.max_new_tokens)
@@ -238,15 +240,19 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator().manual_seed(int(params.seed))
         stops = eos_ids(self.model, params.eos_token_id, params.generation_config)
-        rule = decoding_rule(self.model, params.decoding(generator), prompt.numel(), params.max_new_tokens, stops)
-        decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=rule.transform,
+        padding = torch.as_tensor(padding, dtype=torch.long).view(-1).cpu()
+        rule = decoding_rule(self.model, params.decoding(generator), padding.numel() + prompt.numel(),
+                             params.max_new_tokens, stops, padding.numel())
+        transform = rule.transform
+        if transform is not None and padding.numel():
+            transform = _behind_padding(padding, transform)
+        decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=transform,
                                    corpus=params.corpus, cost=self.cost, proposers=params.proposers,
                                    stats=acceptance_stats(self.model, rule.choose is not None),
                                    context=context_length(self.model), vocabulary=vocabulary_size(self.model),
                                    keep_scores=params.output_scores or params.output_logits)
         request = _Request(self._next_id, prompt, params, decoder, set(stops),
-                           GenerationStats(window=decoder.window.width),
-                           padding=torch.as_tensor(padding, dtype=torch.long).view(-1).cpu())
+                           GenerationStats(window=decoder.window.width), padding=padding)
         self._next_id += 1
         self._waiting.append(request)
         return request.id
@@ -519,6 +525,14 @@ def _check_memory(runner: HFModelRunner, slots: int, capacity: int) -> None:
             f"the KV store for max_batch={slots} sequences of up to {capacity} positions needs "
             f"{needed / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on {runner.device}; "
             "lower max_batch or max_length")
+
+
+def _behind_padding(padding: torch.Tensor, transform: LogitsTransform) -> LogitsTransform:
+    """`transform` handed a batch row's left padding in front of the row's tokens."""
+    def padded(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return transform(torch.cat([padding.to(ids.device).view(1, -1), ids], dim=1), scores)
+
+    return padded
 
 
 def kept_tokens(tokens: list[int], left: int, stop_ids: set[int]) -> tuple[list[int], bool]:

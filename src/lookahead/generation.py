@@ -51,8 +51,8 @@ def generate(
     stop_strings: str | Sequence[str] | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
     stopping_criteria: Sequence[StoppingCriterion] | None = None,
-    output_scores: bool = False,
-    output_logits: bool = False,
+    output_scores: bool | None = None,
+    output_logits: bool | None = None,
     generation_config: GenerationConfig | None = None,
     **generation_options,
 ) -> GenerateOutput:
@@ -84,7 +84,8 @@ def generate(
     token (as `generate`). stop_strings (None: the model's generation config's), with the model's `tokenizer`,
     and stopping_criteria (transformers `StoppingCriteria`; `scores` reach them as None): as in `generate`, a
     sequence ends at the first token that completes a stop string or that a criterion stops at, that token
-    kept (`RequestParams.stopping_criteria`). output_scores, output_logits: `out.scores` / `out.logits` as in
+    kept (`RequestParams.stopping_criteria`). output_scores, output_logits (None: the generation config's):
+    `out.scores` / `out.logits` as in
     `generate(..., return_dict_in_generate=True)`: per new token position a [B, vocab] float32 tensor, the scores
     each token was picked from (its logits after the processors and warpers) or the raw logits; a row whose
     sequence has stopped holds 0 for the pad token and -inf elsewhere (`generate` would run the model on
@@ -115,6 +116,10 @@ def generate(
     max_new_tokens = _new_tokens(settings, max_new_tokens, width)
     if do_sample is None:
         do_sample = bool(getattr(settings, "do_sample", None))
+    if output_scores is None:
+        output_scores = bool(getattr(settings, "output_scores", None))
+    if output_logits is None:
+        output_logits = bool(getattr(settings, "output_logits", None))
     params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
                            repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers), criteria,
                            output_scores, output_logits, None if settings is model.generation_config else settings)

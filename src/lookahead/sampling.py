@@ -69,9 +69,9 @@ class DecodingOptions:
 
 
 def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt_length: int, max_new_tokens: int,
-                  eos: Sequence[int]) -> DecodingRule:
+                  eos: Sequence[int], padding: int = 0) -> DecodingRule:
     """Validate the options and build the processors `generate` would for a prompt of `prompt_length` tokens
-    stopping at `eos`, in transformers' order: those the model's generation config asks for (sequence bias,
+    (the first `padding` of them a batch row's left padding) stopping at `eos`, in transformers' order: those the model's generation config asks for (sequence bias,
     repetition penalty, no-repeat n-grams, bad words, minimum lengths, forced tokens, suppressed tokens), the
     user's processors, then (sampling only) temperature, top-k, top-p and the other warpers the config sets.
     temperature=0 means greedy."""
@@ -87,7 +87,7 @@ def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt_lengt
     temperature = resolved("temperature", options.temperature)
     sampling = options.do_sample and temperature != 0
     processors = _config_processors(config, resolved("repetition_penalty", options.repetition_penalty),
-                                    prompt_length, max_new_tokens, list(eos), model.device)
+                                    prompt_length, max_new_tokens, list(eos), model.device, padding)
     processors.extend(options.logits_processor or [])
     if sampling:
         if temperature != 1.0:
@@ -142,15 +142,17 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
 
 
 def _config_processors(config: GenerationConfig, repetition_penalty: float, prompt_length: int,
-                       max_new_tokens: int, eos: list[int], device: torch.device) -> LogitsProcessorList:
+                       max_new_tokens: int, eos: list[int], device: torch.device, padding: int = 0
+                       ) -> LogitsProcessorList:
     """The processors `generate` applies for the model's generation config, before the user's (transformers
     5's `_get_logits_processor`, for a decoder-only model fed input ids; the length options counted as
-    `generate` counts them: min_new_tokens overrides min_length, max_length is the prompt plus max_new_tokens)."""
+    `generate` counts them: min_new_tokens overrides min_length, max_length is the prompt plus max_new_tokens;
+    the repetition penalty skips the `padding`, as `generate` has it skip a row's by its attention mask)."""
     processors = LogitsProcessorList()
     if config.sequence_bias is not None:
         processors.append(SequenceBiasLogitsProcessor(config.sequence_bias))
     if repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+        processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty, prompt_ignore_length=padding or None))
     if config.no_repeat_ngram_size:
         processors.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
     if config.bad_words_ids is not None:
