@@ -60,8 +60,8 @@ def generate(
     sampling (`do_sample=True`) draws from the same distribution as `model.generate(do_sample=True)` with the
     same options (docs/sampling.md). Unset options come from the generation config, as in `generate`:
     do_sample (greedy where it sets none), the sampling options, and max_new_tokens (its max_new_tokens, else
-    its max_length less the input's length, else DEFAULT_NEW_TOKENS; transformers would stop at 20 positions
-    in all); `temperature=0` means greedy; `generator` seeds the sampling (one generator, drawn from by every
+    its max_length less the input's length, else DEFAULT_NEW_TOKENS, 128; transformers' `generate` makes
+    20 there); `temperature=0` means greedy; `generator` seeds the sampling (one generator, drawn from by every
     sequence of a batch in turn). The generation config is the model's, or as `generate` makes it:
     `generation_config` with its unset fields from the model's, and any other generation config field passed
     by name over it (`min_new_tokens=5`, `no_repeat_ngram_size=3`, `bad_words_ids=...`: the processors they ask
@@ -183,12 +183,15 @@ def generate(
 def _per_position(rows: dict[int, list[torch.Tensor]], ids: list[int], pad: int, width: int
                   ) -> tuple[torch.Tensor, ...]:
     """Each request's per-step [tokens, vocab] rows as `width` tensors [B, vocab], one per new token position;
-    past a sequence's end, the pad token at 0 and -inf elsewhere."""
-    per_sequence = [torch.cat(rows[i]) for i in ids]
-    out = torch.full((width, len(ids), per_sequence[0].shape[-1]), -float("inf"))
+    past a sequence's end, the pad token at 0 and -inf elsewhere. `rows` is emptied as they are copied (the
+    scores of a long batch take gigabytes: held twice at most, not three times)."""
+    out = torch.full((width, len(ids), rows[ids[0]][0].shape[-1]), -float("inf"))
     out[:, :, pad] = 0.0
-    for b, sequence in enumerate(per_sequence):
-        out[: sequence.shape[0], b] = sequence
+    for b, i in enumerate(ids):
+        at = 0
+        for block in rows.pop(i):
+            out[at : at + block.shape[0], b] = block
+            at += block.shape[0]
     return tuple(out.unbind(0))
 
 
