@@ -53,6 +53,19 @@ def client(url: str, key: str = KEYS[0]) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
 
 
+def preflight(url: str, origin: str) -> tuple[int, str | None]:
+    """A browser's CORS preflight of a chat completion from a page of `origin` (with the openai JS client's own
+    headers): the status and the origin allowed."""
+    request = urllib.request.Request(f"{url}/v1/chat/completions", method="OPTIONS", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.headers["Access-Control-Allow-Origin"]
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers["Access-Control-Allow-Origin"]
+
+
 def greedy_text(default_model, question: str, tokens: int) -> str:
     model, tokenizer = default_model
     ids = encode_messages(tokenizer, [{"role": "user", "content": question}])
@@ -334,6 +347,24 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(server, default_mode
     with pytest.raises(openai.BadRequestError, match="roles must alternate") as refused:
         client(url).chat.completions.create(model=MODEL, messages=HI + HI, max_tokens=2)
     assert refused.value.body["param"] == "messages"
+
+
+def test_a_messages_name_and_tool_fields_reach_the_chat_template(server, default_model, monkeypatch):
+    """`name`, `tool_calls` and `tool_call_id` are handed to the template (they had been dropped), as
+    transformers' `apply_chat_template` takes them."""
+    url, _ = server
+    _, tokenizer = default_model
+    monkeypatch.setattr(tokenizer, "chat_template", (
+        "{% for m in messages %}{{ m['role'] }}{% if m.name %} {{ m.name }}{% endif %}"
+        "{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}: {{ m['content'] }}"
+        "{% for call in m.tool_calls or [] %} -> {{ call.function.name }}{% endfor %}|{% endfor %}assistant:"))
+    messages = [{"role": "user", "content": "What is the weather?", "name": "Ada"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+                {"role": "tool", "content": "Sunny", "tool_call_id": "c1"}]
+    reply = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    text = "user Ada: What is the weather?|assistant:  -> weather|tool [c1]: Sunny|assistant:"
+    assert reply.usage.prompt_tokens == len(tokenizer(text)["input_ids"])
 
 
 def test_finish_reason_is_stop_when_the_last_token_allowed_is_eos(server, default_model, monkeypatch):
@@ -658,7 +689,7 @@ def test_the_serve_command_starts_on_the_default_model():
     # One thread, as each test worker runs: the server reads the cost curves the workers measured instead of
     # measuring its own on two threads beside them (103 s to answer in a fresh CI run, of a 120 s deadline).
     process = subprocess.Popen([command, "serve", "--port", str(port), "--max-batch", "2", "--threads", "1",
-                                "--corpus-mb", "8"],
+                                "--corpus-mb", "8", "--allow-origin", "http://localhost:3000"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -674,6 +705,7 @@ def test_the_serve_command_starts_on_the_default_model():
         reply = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0).completions.create(
             model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=4, temperature=0)
         assert reply.usage.completion_tokens == 4 and reply.choices[0].text
+        assert preflight(f"http://127.0.0.1:{port}", "http://localhost:3000") == (200, "http://localhost:3000")
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -1127,3 +1159,21 @@ def test_top_k_limits_sampling_and_vllms_defaults_are_accepted(server, default_m
         reply = client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
                                                     max_tokens=12, temperature=1.0, top_p=0, seed=seed)
         assert reply.choices[0].message.content == expected
+
+
+def test_a_page_of_an_allowed_origin_may_call_the_api_from_a_browser(default_model, server):
+    """CORS, for web front-ends served from another origin (`--allow-origin`): the browser's preflight passes
+    without an API key (it carries none), replies name the origin; other origins, and every origin on a server
+    that allows none, get no such header (the browser then blocks the page's request)."""
+    model, tokenizer = default_model
+    page = "http://localhost:3000"
+    app = create_app(model, tokenizer, model_name=MODEL, max_batch=1, max_length=64, api_keys=KEYS,
+                     allow_origins=(page,))
+    with serve_in_thread(app) as url:
+        assert preflight(url, page) == (200, page)
+        assert preflight(url, "http://elsewhere.example")[1] is None
+        request = urllib.request.Request(f"{url}/v1/models", headers={"Origin": page, "Authorization": "Bearer key-a"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.headers["Access-Control-Allow-Origin"] == page and json.loads(response.read())["data"]
+    assert preflight(server[0], page)[1] is None
+

@@ -693,6 +693,7 @@ def serve_command(
     max_length: Annotated[Optional[int], typer.Option(min=2, help="Most positions of a request (default: the model's context, at most 4096).")] = None,
     api_key: Annotated[Optional[list[str]], typer.Option("--api-key", help="Accepted key (Authorization: Bearer KEY); repeat for several. Default: none needed.")] = None,
     corpus_mb: Annotated[float, typer.Option(min=0, help="Memory cap (MB) of each API key's corpus: its earlier requests' text, which the suffix and recycle sources draft from. 0: no corpus.")] = 64,
+    allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web origin whose pages may call the API from a browser (CORS), e.g. http://localhost:3000, or * for any; repeat for several. Default: none.")] = None,
     threads: ThreadsOption = None,
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decoding steps (their few shapes compile before the server starts serving).")] = False,
     cpp_wrapper: CppWrapperOption = False,
@@ -707,7 +708,7 @@ def serve_command(
     try:
         server_app = create_app(lm, tokenizer, model_name=name, max_batch=max_batch, max_queue=max_queue,
                                 max_length=max_length, api_keys=tuple(api_key or ()), corpus_megabytes=corpus_mb,
-                                compile=_compile_mode(compile, cpp_wrapper))
+                                compile=_compile_mode(compile, cpp_wrapper), allow_origins=tuple(allow_origin or ()))
     except (ValueError, MemoryError) as error:
         _fail(str(error))
     uvicorn.run(server_app, host=host, port=port, log_level="warning")

@@ -28,6 +28,7 @@ import jinja2
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -90,6 +91,11 @@ class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's; "developer" is its
     # newer name for "system", which chat templates know
     content: Any = None  # checked by `_message_text`: a string or text parts, or null (an assistant's tool calls)
+    # Handed to the chat template where set (templates that know them render them): a participant's name, an
+    # assistant's tool calls and the id of the call a tool message answers.
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class StreamOptions(_Body):
@@ -176,7 +182,8 @@ class ChatRequest(_Common):
     def prompts(self, tokenizer: PreTrainedTokenizerBase, vocabulary: int) -> list[tuple[torch.Tensor, str]]:
         """The conversation through the chat template (or its texts joined by lines without one); no text (a chat
         reply does not echo)."""
-        turns = [{"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i),
+                  **m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
                  for i, m in enumerate(self.messages)]
         if not has_chat_template(tokenizer):
             return [(tokenizer("\n".join(turn["content"] for turn in turns), return_tensors="pt")["input_ids"][0], "")]
@@ -496,12 +503,14 @@ def _lookahead_config(value: str | dict[str, int]) -> LookaheadConfig:
 
 def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_name: str = "lookahead",
                max_batch: int = 8, max_queue: int = 64, max_length: int | None = None,
-               api_keys: tuple[str, ...] = (), corpus_megabytes: float = 64, compile: bool | str = False) -> FastAPI:
+               api_keys: tuple[str, ...] = (), corpus_megabytes: float = 64, compile: bool | str = False,
+               allow_origins: tuple[str, ...] = ()) -> FastAPI:
     """The app: OpenAI's chat and text completions, models, health. Requests decode on one engine of
     `max_batch` slots; beyond `max_queue` waiting requests, new ones get 429. With `api_keys`, every
     request must carry one (`Authorization: Bearer KEY`); each key has a corpus of its own (the suffix
     and recycle sources draft from earlier requests of the same key, never of another one), of at most
-    `corpus_megabytes` (0: none). compile: as in `generate`;
+    `corpus_megabytes` (0: none). allow_origins: the web origins whose pages may call the API from a browser
+    (CORS; "*" for any), none by default. compile: as in `generate`;
     the step shapes compile before the app is returned (`Engine.warm_up`: minutes on a small CPU)."""
     for key in api_keys:  # a blank key would let requests without one in; a padded one could never match
         if not isinstance(key, str) or not key or key != key.strip() or " " in key:
@@ -519,6 +528,9 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         runner.stop()
 
     app = FastAPI(title="lookahead", lifespan=lifespan)
+    if allow_origins:  # browsers send a preflight first: it must pass without an API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
     metrics = Metrics(runner)
     app.state.engine_loop = runner
     app.state.prompt_scorer = score_prompt
