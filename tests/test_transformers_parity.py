@@ -296,6 +296,78 @@ def test_scores_asked_by_the_generation_config_are_returned():
     assert by_model.logits is None and generate(model, PROMPT, max_new_tokens=4, output_scores=False).scores is None
 
 
+def test_renormalized_scores_are_log_probabilities_as_in_generate():
+    """`renormalize_logits=True`: the scores come out as log-probabilities, last of every processor (they had
+    come out unnormalised, and `compute_transition_scores` positive)."""
+    model = make_tiny_model("llama")
+    ids, mask = _left_padded([PROMPT[0].tolist(), [11, 12, 13]], 0)
+    options = dict(max_new_tokens=4, eos_token_id=[], renormalize_logits=True, repetition_penalty=1.5)
+    with torch.inference_mode():
+        expected = model.generate(ids, attention_mask=mask, do_sample=False, output_scores=True,
+                                  return_dict_in_generate=True, **options)
+    out = generate(model, ids, attention_mask=mask, output_scores=True, **options)
+    assert out.sequences.tolist() == expected.sequences.tolist()
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(expected.scores), rtol=1e-4, atol=1e-4)
+    assert torch.stack(out.scores).logsumexp(-1).abs().max() < 1e-4
+
+
+def test_the_generation_configs_max_time_stops_every_row():
+    """`max_time` (by name or in a generation config) ends the call as `generate` ends it (it had been ignored)."""
+    from transformers import GenerationConfig
+
+    model = make_tiny_model("llama")
+    ids, mask = _left_padded([PROMPT[0].tolist(), [11, 12, 13]], 0)
+    with torch.inference_mode():
+        expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, eos_token_id=[],
+                                  max_time=1e-9)
+    assert expected.shape[1] == ids.shape[1] + 1  # the first token, then the time is up
+    for given in ({"max_time": 1e-9}, {"generation_config": GenerationConfig(max_time=1e-9)}):
+        out = generate(model, ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[], **given)
+        assert out.sequences.tolist() == expected.tolist(), given
+    with pytest.raises(ValueError, match="max_time must be a number of seconds > 0, got -1"):
+        generate(model, ids, attention_mask=mask, max_new_tokens=2, max_time=-1)
+
+
+def test_a_callers_processor_of_a_type_the_config_builds_takes_its_place():
+    """A model whose generation config sets a repetition penalty, and a caller passing a penalty processor of
+    their own: `generate` uses the caller's instead of the config's (both had applied)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    model = make_tiny_model("llama")
+    model.generation_config.repetition_penalty = 2.0
+    own = [RepetitionPenaltyLogitsProcessor(1.05)]
+    with torch.inference_mode():
+        expected = model.generate(PROMPT, do_sample=False, max_new_tokens=NEW, eos_token_id=[], logits_processor=own)
+        configured = model.generate(PROMPT, do_sample=False, max_new_tokens=NEW, eos_token_id=[])
+    assert not torch.equal(expected, configured)
+    out = generate(model, PROMPT, max_new_tokens=NEW, eos_token_id=[], logits_processor=own, config=CONFIGS[1])
+    assert out.sequences.tolist() == expected.tolist()
+
+
+def test_prefix_allowed_tokens_fn_constrains_each_row_as_in_generate():
+    """transformers' `prefix_allowed_tokens_fn(batch_id, input_ids)`: each row told its own index (it had been
+    refused as an unknown option)."""
+    model = make_tiny_model("llama")
+    ids, mask = _left_padded([PROMPT[0].tolist(), [11, 12, 13]], 0)
+    seen = set()
+
+    def allowed(batch_id: int, sent: torch.Tensor) -> list[int]:
+        seen.add((batch_id, sent.shape[-1] >= ids.shape[1]))  # each row, its padding in front
+        return list(range(20, 40)) if batch_id == 0 else list(range(60, 80))
+
+    with torch.inference_mode():
+        expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8, eos_token_id=[],
+                                  prefix_allowed_tokens_fn=allowed)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[],
+                   prefix_allowed_tokens_fn=allowed, config=CONFIGS[1])
+    assert out.sequences.tolist() == expected.tolist()
+    new = out.sequences[:, ids.shape[1]:]
+    assert ((20 <= new[0]) & (new[0] < 40)).all() and ((60 <= new[1]) & (new[1] < 80)).all()
+    assert seen == {(0, True), (1, True)}
+    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn must be a callable"):
+        generate(model, PROMPT, max_new_tokens=2, prefix_allowed_tokens_fn=[1, 2])
+
+
 def test_scores_are_refused_unless_asked_with_a_bool():
     with pytest.raises(ValueError, match="output_scores must be a bool, got 1"):
         generate(make_tiny_model("llama"), PROMPT, max_new_tokens=2, output_scores=1)

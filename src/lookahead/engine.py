@@ -113,7 +113,9 @@ class RequestParams:
     request ends at the first token for which one says True, that token kept. output_scores, output_logits: each
     step's output carries its tokens' scores (the logits as processed for picking them, as `generate`'s
     `output_scores`) or logits (float32, as its `output_logits`). generation_config: what the
-    model's generation config would give (stop tokens, processors, unset sampling options), as `generate`'s."""
+    model's generation config would give (stop tokens, processors, unset sampling options), as `generate`'s.
+    prefix_allowed_tokens_fn: transformers' constraint (batch_id, input_ids) -> the token ids allowed next,
+    called with batch_id 0 and this request's ids. Processors and criteria see one request's row at a time."""
 
     max_new_tokens: int = 128
     config: LookaheadConfig | None = None
@@ -132,6 +134,7 @@ class RequestParams:
     output_scores: bool = False
     output_logits: bool = False
     generation_config: GenerationConfig | None = None  # None: the model's
+    prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None
 
     def __post_init__(self) -> None:  # a generator of stop tokens is read once, here, not at each use
         object.__setattr__(self, "eos_token_id", stop_token_list(self.eos_token_id))
@@ -139,7 +142,7 @@ class RequestParams:
     def decoding(self, generator: torch.Generator | None) -> DecodingOptions:
         """This request's decoding options, drawing from `generator`."""
         return DecodingOptions(self.do_sample, self.temperature, self.top_k, self.top_p, self.repetition_penalty,
-                               self.logits_processor, generator, self.generation_config)
+                               self.logits_processor, generator, self.generation_config, self.prefix_allowed_tokens_fn)
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import numbers
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria
+from transformers import (GenerationConfig, LogitsProcessor, MaxTimeCriteria, PreTrainedModel, PreTrainedTokenizerBase,
+                          StopStringCriteria)
 
 from .config import LookaheadConfig
 from .core.drafts import Proposer
@@ -17,6 +20,7 @@ from .core.suffix import Corpus
 from .engine import (Engine, GenerationStats, RequestParams, as_token_tensor, check_params, check_request, eos_ids,
                      StoppingCriterion, pad_id, stop_token_list)
 from .hf import check_model
+from .sampling import merged_by_type
 
 
 @dataclass
@@ -54,6 +58,7 @@ def generate(
     output_scores: bool | None = None,
     output_logits: bool | None = None,
     generation_config: GenerationConfig | None = None,
+    prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
     **generation_options,
 ) -> GenerateOutput:
     """Decoding with lookahead. Greedy gives `model.generate(do_sample=False)`'s output token for token;
@@ -84,7 +89,12 @@ def generate(
     token (as `generate`). stop_strings (None: the model's generation config's), with the model's `tokenizer`,
     and stopping_criteria (transformers `StoppingCriteria`; `scores` reach them as None): as in `generate`, a
     sequence ends at the first token that completes a stop string or that a criterion stops at, that token
-    kept (`RequestParams.stopping_criteria`). output_scores, output_logits (None: the generation config's):
+    kept (`RequestParams.stopping_criteria`); the generation config's `max_time` stops every sequence past that
+    many seconds, as in `generate`. A caller's processor or criterion of the very type of one that `generate`
+    builds from the generation config takes its place, as there. Processors, criteria and
+    `prefix_allowed_tokens_fn` (transformers' constraint, called with each row's batch index and its ids) see
+    one row at a time ([1, L], its left padding in front): a processor that indexes the batch sees row 0 alone.
+    output_scores, output_logits (None: the generation config's):
     `out.scores` / `out.logits` as in
     `generate(..., return_dict_in_generate=True)`: per new token position a [B, vocab] float32 tensor, the scores
     each token was picked from (its logits after the processors and warpers) or the raw logits; a row whose
@@ -122,7 +132,8 @@ def generate(
         output_logits = bool(getattr(settings, "output_logits", None))
     params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
                            repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers), criteria,
-                           output_scores, output_logits, None if settings is model.generation_config else settings)
+                           output_scores, output_logits, None if settings is model.generation_config else settings,
+                           prefix_allowed_tokens_fn)
     check_params(model, params)
     pad = pad_id(model, eos_token_id, settings) if pad_token_id is None else pad_token_id
     if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
@@ -136,8 +147,10 @@ def generate(
     engine = Engine(model, max_batch=len(checked), max_length=max(p.numel() for p in checked) + max_new_tokens,
                     packed_linear=packed_linear, compile=compile)
     start = time.perf_counter()
-    # A batch row's left padding goes in front of its prompt for the stopping criteria, as generate hands them rows.
-    ids = [engine.add_request(prompt, params, () if layout is None else layout[row, : layout.shape[1] - prompt.numel()])
+    # A batch row's left padding goes in front of its prompt for the processors and stopping criteria, as generate
+    # hands them rows.
+    ids = [engine.add_request(prompt, _row_params(params, row),
+                              () if layout is None else layout[row, : layout.shape[1] - prompt.numel()])
            for row, prompt in enumerate(checked)]
     generated: dict[int, list[int]] = {i: [] for i in ids}
     rows: dict[str, dict[int, list[torch.Tensor]]] = {"scores": {i: [] for i in ids}, "logits": {i: [] for i in ids}}
@@ -178,6 +191,14 @@ def generate(
     return GenerateOutput(sequences, stats, *(_per_position(rows[kind], ids, pad, positions) if wanted else None
                                               for kind, wanted in (("scores", output_scores),
                                                                    ("logits", output_logits))))
+
+
+def _row_params(params: RequestParams, row: int) -> RequestParams:
+    """A batch row's request: its `prefix_allowed_tokens_fn` told the row (the engine calls it with batch_id 0)."""
+    constraint = params.prefix_allowed_tokens_fn
+    if constraint is None:
+        return params
+    return dataclasses.replace(params, prefix_allowed_tokens_fn=lambda _, ids: constraint(row, ids))
 
 
 def _per_position(rows: dict[int, list[torch.Tensor]], ids: list[int], pad: int, width: int
@@ -221,23 +242,29 @@ def _generation_config(model: PreTrainedModel, given: GenerationConfig | None, o
 def _stopping_criteria(settings: GenerationConfig, stop_strings: str | Sequence[str] | None,
                        tokenizer: PreTrainedTokenizerBase | None,
                        criteria: Sequence[StoppingCriterion] | None) -> tuple[StoppingCriterion, ...]:
-    """The criteria a call stops by: the caller's, then one for the stop strings, as `generate` builds them."""
+    """The criteria a call stops by, as `generate` builds them: for the config's max_time (timed from now) and
+    the stop strings, each replaced by the caller's one of its type, then the caller's others."""
     if isinstance(criteria, (str, bytes)) or not isinstance(criteria, (Sequence, type(None))):
         raise TypeError(f"stopping_criteria must be a list of transformers StoppingCriteria or None, got "
                         f"{type(criteria).__name__}")
-    criteria = tuple(criteria or ())
+    built = []
+    max_time = getattr(settings, "max_time", None)
+    if max_time is not None:
+        if isinstance(max_time, bool) or not isinstance(max_time, numbers.Real) or max_time <= 0:
+            raise ValueError(f"max_time must be a number of seconds > 0, got {max_time!r}")
+        built.append(MaxTimeCriteria(max_time))
     if stop_strings is None:
         stop_strings = getattr(settings, "stop_strings", None)
-    if stop_strings is None:
-        return criteria
-    stops = [stop_strings] if isinstance(stop_strings, str) else stop_strings
-    if not isinstance(stops, Sequence) or not stops or not all(isinstance(s, str) and s for s in stops):
-        raise ValueError(f"stop_strings must be a non-empty string or a non-empty list of them, got {stop_strings!r}")
-    if tokenizer is None:
-        raise ValueError("stop_strings need the model's tokenizer: pass tokenizer= too (as generate does)")
-    if any(isinstance(c, StopStringCriteria) for c in criteria):  # the caller's own takes its place, as in generate
-        return criteria
-    return (*criteria, StopStringCriteria(tokenizer, list(stops)))
+    if stop_strings is not None:
+        stops = [stop_strings] if isinstance(stop_strings, str) else stop_strings
+        if not isinstance(stops, Sequence) or not stops or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"stop_strings must be a non-empty string or a non-empty list of them, got "
+                             f"{stop_strings!r}")
+        if tokenizer is None:
+            raise ValueError("stop_strings need the model's tokenizer: pass tokenizer= too (as generate does)")
+        if not any(type(c) is StopStringCriteria for c in criteria or ()):  # else built for nothing (tokenizer work)
+            built.append(StopStringCriteria(tokenizer, list(stops)))
+    return tuple(merged_by_type(built, criteria or ()))
 
 
 def _prompts(input_ids, attention_mask: torch.Tensor | None, padding: int | None

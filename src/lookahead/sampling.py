@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from transformers import (
@@ -15,6 +16,7 @@ from transformers import (
     ForcedEOSTokenLogitsProcessor,
     GenerationConfig,
     InfNanRemoveLogitsProcessor,
+    LogitNormalization,
     LogitsProcessor,
     LogitsProcessorList,
     MinLengthLogitsProcessor,
@@ -22,6 +24,7 @@ from transformers import (
     MinPLogitsWarper,
     NoBadWordsLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
     PreTrainedModel,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
@@ -63,6 +66,8 @@ class DecodingOptions:
     logits_processor: Sequence[LogitsProcessor] | None = None
     generator: torch.Generator | None = None
     generation_config: GenerationConfig | None = None  # None: the model's
+    # transformers' (batch_id, input_ids) -> allowed next tokens; called with this sequence's ids, batch_id 0
+    prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None
 
     def config(self, model: PreTrainedModel) -> GenerationConfig:
         return model.generation_config if self.generation_config is None else self.generation_config
@@ -73,8 +78,9 @@ def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt_lengt
     """Validate the options and build the processors `generate` would for a prompt of `prompt_length` tokens
     (the first `padding` of them a batch row's left padding) stopping at `eos`, in transformers' order: those the model's generation config asks for (sequence bias,
     repetition penalty, no-repeat n-grams, bad words, minimum lengths, forced tokens, suppressed tokens), the
-    user's processors, then (sampling only) temperature, top-k, top-p and the other warpers the config sets.
-    temperature=0 means greedy."""
+    user's processors (one of the same type as one of those replacing it, as in `generate`), then (sampling
+    only) temperature, top-k, top-p and the other warpers the config sets, and last the config's
+    `renormalize_logits`. temperature=0 means greedy."""
     check_decoding_options(model, options)
     config = options.config(model)
 
@@ -86,9 +92,10 @@ def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt_lengt
 
     temperature = resolved("temperature", options.temperature)
     sampling = options.do_sample and temperature != 0
-    processors = _config_processors(config, resolved("repetition_penalty", options.repetition_penalty),
-                                    prompt_length, max_new_tokens, list(eos), model.device, padding)
-    processors.extend(options.logits_processor or [])
+    processors = LogitsProcessorList(merged_by_type(
+        _config_processors(config, resolved("repetition_penalty", options.repetition_penalty), prompt_length,
+                           max_new_tokens, list(eos), model.device, padding, options.prefix_allowed_tokens_fn),
+        options.logits_processor or []))
     if sampling:
         if temperature != 1.0:
             processors.append(TemperatureLogitsWarper(temperature))
@@ -101,6 +108,8 @@ def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt_lengt
         if p < 1.0:
             processors.append(TopPLogitsWarper(p))
         processors.extend(_config_warpers(config, model.device))
+    if getattr(config, "renormalize_logits", None) is True:  # last, as in generate: scores as log-probabilities
+        processors.append(LogitNormalization())
     choose = None
     if sampling:
         # One draw from the generator (or torch's global one) seeds the sequence; every position then has
@@ -127,6 +136,9 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
         raise ValueError(f"generator must be a torch.Generator or None, got {type(options.generator).__name__}")
     if options.logits_processor is not None and not all(callable(p) for p in options.logits_processor):
         raise ValueError("logits_processor must be a list of transformers LogitsProcessor (callables)")
+    if options.prefix_allowed_tokens_fn is not None and not callable(options.prefix_allowed_tokens_fn):
+        raise ValueError("prefix_allowed_tokens_fn must be a callable (batch_id, input_ids) -> allowed token ids, "
+                         f"got {type(options.prefix_allowed_tokens_fn).__name__}")
     if options.generation_config is not None and not isinstance(options.generation_config, GenerationConfig):
         raise TypeError(f"generation_config must be a transformers GenerationConfig or None, got "
                         f"{type(options.generation_config).__name__}")
@@ -141,8 +153,19 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
                              f"with; leave it at {plain!r}")
 
 
+Listed = TypeVar("Listed")
+
+
+def merged_by_type(built: Sequence[Listed], given: Sequence[Listed]) -> list[Listed]:
+    """`generate`'s merge of the processors (or stopping criteria) it builds with the caller's: a caller's one of
+    the very type of a built one takes its place, the caller's others follow."""
+    merged = [next((g for g in given if type(g) is type(b)), b) for b in built]
+    return merged + [g for g in given if not any(g is m for m in merged)]
+
+
 def _config_processors(config: GenerationConfig, repetition_penalty: float, prompt_length: int,
-                       max_new_tokens: int, eos: list[int], device: torch.device, padding: int = 0
+                       max_new_tokens: int, eos: list[int], device: torch.device, padding: int = 0,
+                       prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None
                        ) -> LogitsProcessorList:
     """The processors `generate` applies for the model's generation config, before the user's (transformers
     5's `_get_logits_processor`, for a decoder-only model fed input ids; the length options counted as
@@ -162,6 +185,8 @@ def _config_processors(config: GenerationConfig, repetition_penalty: float, prom
         processors.append(MinLengthLogitsProcessor(min_length, eos, device=device))
     if eos and config.min_new_tokens:
         processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens, eos, device=device))
+    if prefix_allowed_tokens_fn is not None:
+        processors.append(PrefixConstrainedLogitsProcessor(prefix_allowed_tokens_fn, 1))
     if config.forced_bos_token_id is not None:
         processors.append(ForcedBOSTokenLogitsProcessor(config.forced_bos_token_id))
     if config.forced_eos_token_id is not None:
