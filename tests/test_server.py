@@ -1021,9 +1021,10 @@ def test_a_completion_of_more_prompts_than_the_server_holds_is_a_400(server):
 
 
 def test_prompt_scoring_waits_its_turn_and_a_full_server_says_when_to_retry(default_model, monkeypatch):
-    """Echoed prompts are scored one at a time (the logits of a 4096-token prompt take 800 MB), and those waiting
-    count against max_queue even with nothing to generate: beyond it a request gets 429 with Retry-After, before
-    any forward of its own (it had scored every prompt at once, whatever the queue)."""
+    """Echoed prompts are scored one at a time (the logits of a 4096-token prompt take 800 MB), as many in all as
+    the engine holds (max_batch + max_queue) even with nothing to generate: beyond, a request gets 429 with
+    Retry-After, before any forward of its own (it had scored every prompt at once, whatever the queue). The
+    prompts of one request never turn each other away."""
     import lookahead.serve
 
     model, tokenizer = default_model
@@ -1037,14 +1038,14 @@ def test_prompt_scoring_waits_its_turn_and_a_full_server_says_when_to_retry(defa
         return score(scorer, prompt)
 
     monkeypatch.setattr(lookahead.serve._PromptScorer, "_logits", held)
-    app = create_app(model, tokenizer, model_name=MODEL, max_batch=1, max_queue=1, max_length=256)
+    app = create_app(model, tokenizer, model_name=MODEL, max_batch=2, max_queue=1, max_length=256)
     body = {"model": MODEL, "prompt": "Roses are red", "max_tokens": 0, "echo": True, "logprobs": 1}
-    with serve_in_thread(app) as url, concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with serve_in_thread(app) as url, concurrent.futures.ThreadPoolExecutor(3) as pool:
         first = pool.submit(raw, f"{url}/v1/completions", body)
         assert scoring.wait(timeout=30)
-        second = pool.submit(raw, f"{url}/v1/completions", body)
+        waiting = [pool.submit(raw, f"{url}/v1/completions", body) for _ in range(2)]
         deadline = time.time() + 30
-        while app.state.prompt_scorer.waiting < 1 and time.time() < deadline:
+        while app.state.prompt_scorer.waiting < 2 and time.time() < deadline:
             time.sleep(0.05)
         request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
@@ -1053,9 +1054,12 @@ def test_prompt_scoring_waits_its_turn_and_a_full_server_says_when_to_retry(defa
         assert refused.value.code == 429 and refused.value.headers["Retry-After"] == "1"
         assert json.loads(refused.value.read())["error"]["code"] == "rate_limit_exceeded"
         release.set()
-        assert first.result()[0] == second.result()[0] == 200
-        assert first.result()[1]["choices"] == second.result()[1]["choices"]
-    assert scored == [4, 4]  # the refused request ran no forward
+        replies = [first.result(), *(w.result() for w in waiting)]
+        assert [code for code, _ in replies] == [200] * 3
+        assert replies[0][1]["choices"] == replies[1][1]["choices"] == replies[2][1]["choices"]
+        assert scored == [4, 4, 4]  # the refused request ran no forward
+        code, three = raw(f"{url}/v1/completions", {**body, "prompt": ["Roses are red"] * 3})
+        assert code == 200 and [c["logprobs"] for c in three["choices"]] == [replies[0][1]["choices"][0]["logprobs"]] * 3
 
 
 def test_logprobs_of_tokens_that_split_a_character(server, default_model):

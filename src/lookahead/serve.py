@@ -520,7 +520,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     engine = Engine(model, max_batch=max_batch, max_length=max_length, compile=compile)
     engine.warm_up()  # compiled steps: their shapes compile now, not during the first requests
     runner = EngineLoop(engine, max_queue)
-    score_prompt = _PromptScorer(model, max_queue, functools.partial(_server_full, max_batch, max_queue))
+    # As many requests in scoring as the engine holds: the prompts of one request never turn each other away.
+    score_prompt = _PromptScorer(model, max_batch + max_queue - 1, functools.partial(_server_full, max_batch, max_queue))
     corpora: dict[str | None, Corpus] = {}
     @asynccontextmanager
     async def lifespan(_: FastAPI):
