@@ -137,6 +137,10 @@ def test_bench_corpus_refuses_an_unknown_pair(tiny_dir):
         (["serve", "--served-model", "x", "--api-key", "k"], "--served-model, --api-key"),
         (["serve", "--clients", "64"], "mt_bench has 80 prompts, fewer than the 128 requests"),
         (["parallel", "--cost-file", "pyproject.toml"], "not a cost.json of `lookahead bench cost`"),
+        (["serve", "--url", "foo"], "expected the server's address, http://HOST:PORT, got 'foo'"),
+        (["sweep", "--windows", ""], "expected at least one value"),
+        (["--out", "pyproject.toml"], "cannot make the folder pyproject.toml"),
+        (["cost", "--out", "pyproject.toml/x"], "cannot make the folder"),
     ],
 )
 def test_bench_bad_options(args, message):
@@ -292,6 +296,48 @@ def test_serve_rounds_alternate_the_modes_each_run_with_a_key_of_its_own(monkeyp
     assert (off.requests, off.steps, off.identical) == (6, 24, None)
     with pytest.raises(ValueError, match="rounds"):
         bench_serve.serve_load("url", "m", ["a"], 1, 4, rounds=0)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("5\n", "each line must be an object"),
+    ('"my prompt"\n', "each line must be an object"),
+    ('{"prompt": 123}\n', "'prompt' must be a non-empty string"),
+    ('{"turns": []}\n', "'turns' must be a non-empty list of non-empty strings"),
+    ('{"turns": "hello world"}\n', "'turns' must be a non-empty list"),  # had run on the prompt "h"
+    ("\n", "holds no prompt"),
+    ("{oops\n", "not JSON"),
+])
+def test_a_jsonl_dataset_that_is_not_one_prompt_object_a_line_is_refused(tmp_path, content, message):
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text(content)
+    result = run("bench", "--dataset", str(dataset), "--model", "/nowhere")
+    assert result.returncode == 2 and "--dataset" in result.stderr and message in " ".join(result.stderr.split())
+
+
+def test_raw_prompts_of_every_built_in_workload_skip_the_chat_template():
+    """`--raw` had reached HumanEval alone: the others went through the chat template all the same."""
+    from lookahead.workloads import BUILTIN, load_workload
+
+    for name in BUILTIN:
+        assert all(p.raw for p in load_workload(name, raw=True)) and not any(p.raw for p in load_workload(name))
+
+
+def test_bench_serve_fails_when_requests_fail_and_says_why(tiny_dir):
+    """Every request failing (here: a model the server does not serve) had printed a table of zeros and exited 0."""
+    from lookahead.serve import create_app, serve_in_thread
+    from lookahead.models import load_model
+
+    model, tokenizer = load_model(tiny_dir)
+    with serve_in_thread(create_app(model, tokenizer, model_name="tiny", max_batch=1, max_length=64)) as url:
+        result = run("bench", "serve", "--url", url, "--served-model", "other", "--clients", "1", "--requests", "1",
+                     "--max-new-tokens", "2")
+    assert result.returncode == 2
+    assert "off: 1 of 1 requests failed (HTTP 404" in result.stderr and "model_not_found" in result.stderr
+
+
+def test_bench_cost_names_max_k_past_the_models_context(tiny_dir):
+    result = run("bench", "cost", "--model", tiny_dir, "--max-k", "4096", "--repeats", "1")
+    assert result.returncode == 2 and "--max-k" in result.stderr and "exceeds the model's context" in result.stderr
 
 
 def test_bench_serve_names_a_server_it_cannot_reach():

@@ -57,18 +57,45 @@ def test_generate_stop_ends_the_reply_as_model_generate_does(default_model):
     assert report["text"].endswith("the fishing boats") and report["new_tokens"] < 48  # the token with "bo" kept
 
 
-def test_generate_runs_a_model_whose_generation_config_has_stop_strings(tiny_dir, tmp_path):
-    """generate reads the model's stop strings, which need the tokenizer: the CLI always passes it."""
+def _tiny_with(tiny_dir: str, tmp_path: Path, **settings) -> str:
+    """A copy of the tiny model whose generation config sets `settings`."""
     import shutil
 
     from transformers import GenerationConfig
     folder = shutil.copytree(tiny_dir, tmp_path / "tiny")
     config = GenerationConfig.from_pretrained(folder)
-    config.stop_strings = ["\n\n"]
+    for name, value in settings.items():
+        setattr(config, name, value)
     config.save_pretrained(folder)
-    result = run_cli("generate", "hi", "--model", str(folder), "--max-new-tokens", "6", "--json")
+    return str(folder)
+
+
+def test_generate_runs_a_model_whose_generation_config_has_stop_strings(tiny_dir, tmp_path):
+    """generate reads the model's stop strings, which need the tokenizer: the CLI always passes it."""
+    folder = _tiny_with(tiny_dir, tmp_path, stop_strings=["\n\n"])
+    result = run_cli("generate", "hi", "--model", folder, "--max-new-tokens", "6", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["new_tokens"] >= 1
+
+
+def test_generate_reports_what_decoding_refuses_in_one_line(tiny_dir, tmp_path):
+    """A generation config asking for beam search is found only when decoding starts: one line and exit 2 (it
+    had been a traceback and exit 1)."""
+    result = run_cli("generate", "hi", "--model", _tiny_with(tiny_dir, tmp_path, num_beams=2), "--max-new-tokens", "4")
+    assert result.returncode == 2 and "Error: " in result.stderr and "num_beams=2" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_workers_refuse_a_model_whose_generation_config_has_stop_strings(tiny_dir, tmp_path):
+    """One process stops at the model's stop strings; the workers would not: refused, not a different output."""
+    folder = _tiny_with(tiny_dir, tmp_path, stop_strings=["\n\n"])
+    result = run_cli("generate", "hi", "--model", folder, "--max-new-tokens", "4", "--workers", "2")
+    assert result.returncode == 2 and "stop_strings" in result.stderr and "one process" in result.stderr
+
+
+def test_a_seed_without_sampling_is_refused():
+    result = run_cli("generate", "hi", "--seed", "3")
+    assert result.returncode == 2 and "--seed" in result.stderr and "--temperature > 0" in result.stderr
 
 
 def test_generate_refuses_an_empty_stop_string():

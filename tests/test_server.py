@@ -523,6 +523,9 @@ def test_the_bearer_scheme_is_case_insensitive_and_blank_keys_are_refused(server
             create_app(model, tokenizer, api_keys=("key-b", key))
     with pytest.raises(ValueError, match="max_megabytes must be a number > 0, got -1"):
         create_app(model, tokenizer, corpus_megabytes=-1)  # refused at once, not at the first request
+    for origin in ("http://localhost:3000/", "localhost:3000", "http://localhost:3000/app"):  # would never match
+        with pytest.raises(ValueError, match="an allowed origin must be"):
+            create_app(model, tokenizer, allow_origins=(origin,))
 
 
 def test_a_server_without_a_corpus_decodes_as_with_one(default_model):

@@ -10,6 +10,7 @@ import time
 from itertools import product, zip_longest
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from .config import AUTO_CONFIG, LookaheadConfig
 from .costs import CostCurve, cost_curve, eager_and_compiled_cost, forward_cost
 from .engine import check_request
 from .generation import generate
-from .hf import HFModelRunner
+from .hf import HFModelRunner, context_length
 from .models import DEFAULT_MODEL_NAME, WEIGHT_CHOICES, ModelLoadError, load_model
 from .quant import QUANTISED_WEIGHTS
 from .parallel import DEFAULT_TIMEOUT, WorkerError, parallel_generate, run_workers
@@ -107,6 +108,7 @@ def _config(window: int | None, ngram: int | None, guesses: int | None, suffix: 
 
 @app.command("generate")
 def generate_command(
+    ctx: typer.Context,
     prompt: Annotated[str, typer.Argument(help="The prompt text.")],
     model: ModelOption = None,
     gguf_file: GgufOption = None,
@@ -142,6 +144,8 @@ def generate_command(
     if not prompt:
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty)
+    if temperature == 0:
+        _refuse_given(ctx, ["seed"], "applies only with sampling (--temperature > 0); greedy decoding draws nothing")
     if stop is not None and not all(stop):
         raise typer.BadParameter("a stop string must not be empty", param_hint="--stop")
     launched = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes
@@ -168,6 +172,9 @@ def generate_command(
     except ValueError as error:
         _fail(str(error))
     if workers > 1 or launched > 1:
+        if getattr(lm.generation_config, "stop_strings", None):  # one process would stop at them; K would not
+            _fail(f"the model's generation config sets stop_strings ({lm.generation_config.stop_strings!r}), which "
+                  "the processes of lookahead parallelism do not apply: run in one process")
         call = {"input_ids": input_ids, "max_new_tokens": max_new_tokens, "config": config, **sampling, "seed": seed}
         if launched > 1:
             out = _torchrun_rank(lm, call)
@@ -198,10 +205,14 @@ def generate_command(
         torch.manual_seed(seed)
         return hf_generate(lm, input_ids, max_new_tokens=tokens, **sampling, **stops)
 
-    if compare:  # warm both paths up so that neither pays one-off costs in the timed run
-        ours(2)
-        theirs(2)
-    out = ours(max_new_tokens, None if as_json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
+    try:  # what only decoding finds wrong (the model's generation config, a context too short to time steps in)
+        if compare:  # warm both paths up so that neither pays one-off costs in the timed run
+            ours(2)
+            theirs(2)
+        out = ours(max_new_tokens, None if as_json else TextStreamer(tokenizer, skip_prompt=True,
+                                                                     skip_special_tokens=True))
+    except ValueError as error:
+        _fail(str(error))
     new_ids = out.sequences[0, input_ids.shape[1] :]
     stats = out.stats
     report: dict[str, object] = {"text": tokenizer.decode(new_ids, skip_special_tokens=True), **stats.as_dict()}
@@ -239,7 +250,20 @@ bench_app = typer.Typer(help="Benchmarks: methods side by side, the (W, N, G) sw
 app.add_typer(bench_app, name="bench")
 
 ThreadsOption = Annotated[Optional[int], typer.Option(min=1, help="torch threads (default: torch's choice).")]
-OutOption = Annotated[Optional[Path], typer.Option("--out", help="Folder for results.json, report.md and plots.")]
+
+
+def _out_folder(out: Path | None) -> Path | None:
+    """--out made (or found) before any work: a run must not end unable to write what it measured."""
+    if out is not None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise typer.BadParameter(f"cannot make the folder {out}: {error.strerror or error}") from error
+    return out
+
+
+OutOption = Annotated[Optional[Path], typer.Option("--out", callback=_out_folder,
+                                                   help="Folder for results.json, report.md and plots.")]
 
 
 def _parse_config(text: str) -> LookaheadConfig:
@@ -452,10 +476,13 @@ def sweep_command(
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
     threads: ThreadsOption = None,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Folder for sweep.json and sweep.png.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", callback=_out_folder, help="Folder for sweep.json and sweep.png.")] = None,
 ) -> None:
     """Grid over (W, N, G): tokens/step against tokens fed per step, with a fitted log line."""
     grid = [_int_list(windows, "--windows"), _int_list(ngrams, "--ngrams"), _int_list(guesses, "--guesses")]
+    for values, hint in zip(grid, ("--windows", "--ngrams", "--guesses")):
+        if not values:
+            raise typer.BadParameter("expected at least one value", param_hint=hint)
     for w, n, g in product(*grid):  # every point valid before the model loads
         _parse_config(f"{w},{n},{g}")
     prompts = _workload(dataset, 1, False, None, limit)
@@ -483,12 +510,16 @@ def cost_command(
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
     threads: ThreadsOption = None,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Folder for cost.json and cost.png.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", callback=_out_folder, help="Folder for cost.json and cost.png.")] = None,
     compile: Annotated[bool, typer.Option("--compile", help="Also compiled steps (padded to the compiled heights), timed in the same rounds as the eager ones.")] = False,
     cpp_wrapper: CppWrapperOption = False,
 ) -> None:
     """The model's forward cost T(k) for k new tokens per step over a cached context."""
     lm, _ = _load_model(model, gguf_file, dtype, threads)
+    room = context_length(lm)
+    if room is not None and context + max_k > room:
+        raise typer.BadParameter(f"--context ({context}) + --max-k ({max_k}) exceeds the model's context of {room} "
+                                 "positions", param_hint="--max-k")
     sizes = tuple(sorted({1, *(2**i for i in range(max_k.bit_length()) if 2**i <= max_k), max_k}))
     runner = HFModelRunner(lm, packed_linear=packed_linear, compile=_compile_mode(compile, cpp_wrapper))
     if runner.packing is None:
@@ -557,6 +588,8 @@ def bench_serve_command(
     from .serve import create_app, serve_in_thread
 
     if url is not None:
+        if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc:
+            raise typer.BadParameter(f"expected the server's address, http://HOST:PORT, got {url!r}", param_hint="--url")
         _refuse_given(ctx, ["model", "gguf_file", "dtype", "threads", "max_batch", "compile", "cpp_wrapper"],
                       "sets up the server started here; with --url the running server decides: start it so, e.g. "
                       "`lookahead serve --compile`")
@@ -605,6 +638,10 @@ def bench_serve_command(
     if out is not None:
         for path in write_serve(out, runs, env, "lookahead bench serve " + " ".join(sys.argv[3:])):
             print(f"wrote {path}")
+    failures = [f"{run.mode}: {run.failed} of {run.requests} requests failed ({'; '.join(run.errors)})"
+                for run in runs if run.failed]
+    if failures:  # the figures above leave those requests out: no comparison to trust
+        _fail("; ".join(failures))
 
 
 def _served_model(url: str, api_key: str | None) -> str:
@@ -614,8 +651,9 @@ def _served_model(url: str, api_key: str | None) -> str:
     try:
         with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=headers), timeout=30) as reply:
             return json.loads(reply.read())["data"][0]["id"]
-    except OSError as error:
-        raise typer.BadParameter(f"cannot ask {url}/v1/models: {error}", param_hint="--url") from error
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as error:  # unreachable, not a URL, not its reply
+        raise typer.BadParameter(f"cannot ask {url}/v1/models for the model it serves: {error!r}",
+                                 param_hint="--url") from error
 
 
 @bench_app.command("parallel")

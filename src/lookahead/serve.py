@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 import uuid
+from urllib.parse import urlsplit
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from contextlib import asynccontextmanager
@@ -515,6 +516,12 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     for key in api_keys:  # a blank key would let requests without one in; a padded one could never match
         if not isinstance(key, str) or not key or key != key.strip() or " " in key:
             raise ValueError(f"an API key must be a non-empty string without spaces, got {key!r}")
+    for origin in allow_origins:  # browsers send an origin without a path: "http://host:3000/" would never match
+        parts = urlsplit(origin) if isinstance(origin, str) else None
+        if origin != "*" and not (parts and parts.scheme in ("http", "https") and parts.netloc
+                                  and not (parts.path or parts.query or parts.fragment)):
+            raise ValueError(f"an allowed origin must be * or scheme://host[:port], as a browser sends it (no path, "
+                             f"no trailing slash), got {origin!r}")
     if corpus_megabytes != 0:
         Corpus(max_megabytes=corpus_megabytes)  # a cap that no corpus could take fails here, not at a request
     engine = Engine(model, max_batch=max_batch, max_length=max_length, compile=compile)

@@ -50,7 +50,9 @@ def code_edit_turn(code: str, edit: str) -> str:
 def load_workload(name: str, turns: int = 1, raw: bool = False) -> list[Prompt]:
     """Prompts of a built-in workload (see BUILTIN) or of a JSONL file with a `prompt` or `turns` field.
 
-    turns: how many user turns of multi-turn data to keep (1 or 2). raw: HumanEval as raw completion.
+    turns: how many user turns of multi-turn data to keep (1 or 2). raw: the text as it is, without the chat
+    template (HumanEval: its prompt as a raw completion, not the chat request around it). Raises ValueError,
+    naming the file and line, for a JSONL file that is not a list of such objects or holds no prompt.
     """
     if turns not in (1, 2):
         raise ValueError(f"turns must be 1 or 2, got {turns!r}")
@@ -62,17 +64,17 @@ def load_workload(name: str, turns: int = 1, raw: bool = False) -> list[Prompt]:
     if name == "code_edit":  # HumanEval's functions with their solutions, each asked one of the edits in turn
         edits = list(CODE_EDITS)
         return [Prompt(row["task_id"].replace("HumanEval", "code_edit"), edits[index % len(edits)],
-                       (code_edit_turn(row["prompt"] + row["canonical_solution"], edits[index % len(edits)]),))
+                       (code_edit_turn(row["prompt"] + row["canonical_solution"], edits[index % len(edits)]),), raw)
                 for index, row in enumerate(_lines("humaneval"))]
     if name == "gsm8k":
-        return [Prompt(f"gsm8k/{index}", "gsm8k", (row["question"],)) for index, row in enumerate(_lines(name))]
+        return [Prompt(f"gsm8k/{index}", "gsm8k", (row["question"],), raw) for index, row in enumerate(_lines(name))]
     if name in ("mt_bench", "spec_bench"):
         prompts = []
         for row in _lines(name):
             category = row["category"]
             if name == "spec_bench" and category in MT_BENCH_CATEGORIES:
                 category = "multi_turn_chat"
-            prompts.append(Prompt(str(row["question_id"]), category, tuple(row["turns"][:turns])))
+            prompts.append(Prompt(str(row["question_id"]), category, tuple(row["turns"][:turns]), raw))
         return prompts
     path = Path(name)
     if not path.is_file():
@@ -81,12 +83,26 @@ def load_workload(name: str, turns: int = 1, raw: bool = False) -> list[Prompt]:
     for index, line in enumerate(path.read_text().splitlines()):
         if not line.strip():
             continue
-        row = json.loads(line)
+        where = f"{path}:{index + 1}"
+        try:
+            row = json.loads(line)
+        except ValueError as error:
+            raise ValueError(f"{where}: not JSON ({error})") from error
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: each line must be an object with a 'prompt' or 'turns' field, got "
+                             f"{type(row).__name__}")
         if "turns" in row:
-            texts = tuple(row["turns"][:turns])
+            given = row["turns"]
+            if not (isinstance(given, list) and given and all(isinstance(t, str) and t for t in given)):
+                raise ValueError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
+            texts = tuple(given[:turns])
         elif "prompt" in row:
+            if not (isinstance(row["prompt"], str) and row["prompt"]):
+                raise ValueError(f"{where}: 'prompt' must be a non-empty string")
             texts = (row["prompt"],)
         else:
-            raise ValueError(f"{path}:{index + 1}: each line needs a 'prompt' or 'turns' field")
+            raise ValueError(f"{where}: each line needs a 'prompt' or 'turns' field")
         prompts.append(Prompt(str(row.get("id", index)), str(row.get("category", path.stem)), texts, raw))
+    if not prompts:
+        raise ValueError(f"{path} holds no prompt: one JSON object a line, with a 'prompt' or 'turns' field")
     return prompts

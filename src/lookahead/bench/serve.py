@@ -51,6 +51,7 @@ class LoadRun:
     inter_token_p50: float
     inter_token_p99: float
     identical: int | None = None  # "auto": replies equal to the same prompt's reply with lookahead off
+    errors: tuple[str, ...] = ()  # what failed requests got, each different message once (the first 5)
 
     @property
     def tokens_per_second(self) -> float:
@@ -132,8 +133,10 @@ def _summary(mode: str, clients: int, results: Sequence[StreamResult], seconds: 
     first = [r.first_token for r in good if r.first_token is not None]
     gaps = [gap for r in good for gap in r.gaps]
     pct = lambda values, q: float(np.percentile(values, q)) if values else float("nan")  # noqa: E731
+    errors = tuple(dict.fromkeys(r.error for r in results if r.error is not None))[:5]
     return LoadRun(mode, clients, len(results), len(results) - len(good), seconds, sum(r.tokens for r in good),
-                   sum(r.steps for r in good), pct(first, 50), pct(first, 99), pct(gaps, 50), pct(gaps, 99), identical)
+                   sum(r.steps for r in good), pct(first, 50), pct(first, 99), pct(gaps, 50), pct(gaps, 99), identical,
+                   errors)
 
 
 def serve_load(url: str, model: str, prompts: Sequence[str], clients: int, max_tokens: int,
