@@ -435,3 +435,25 @@ def test_a_longrope_model_decodes_within_its_original_context_only():
         generate(model, prompts[1], max_new_tokens=51)
     with pytest.raises(ValueError, match="max_length"):
         Engine(model, max_length=81)
+
+
+def test_a_requests_generation_config_takes_its_unset_fields_from_the_models():
+    """`RequestParams(generation_config=...)`, as `model.generate(generation_config=...)`: what it leaves unset
+    (here the stop token) comes from the model's config (it had been dropped: the request ran past the model's
+    EOS)."""
+    from conftest import make_tiny_model
+    from transformers import GenerationConfig
+
+    model = make_tiny_model("llama")
+    prompt = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])
+    free = reference_greedy(model, prompt.view(1, -1), 12, eos_token_id=[])[0, 8:].tolist()
+    model.generation_config.eos_token_id = free[3]
+    own = GenerationConfig(no_repeat_ngram_size=4)
+    with torch.inference_mode():
+        expected = model.generate(prompt.view(1, -1), do_sample=False, max_new_tokens=12, generation_config=own)
+    assert expected.shape[1] < 8 + 12  # the model's EOS ended it
+    engine = Engine(model, max_batch=1)
+    request = engine.add_request(prompt, RequestParams(max_new_tokens=12, generation_config=own))
+    tokens = [t for _ in iter(engine.has_unfinished, False) for o in engine.step() if o.request_id == request
+              for t in o.tokens]
+    assert tokens == expected[0, 8:].tolist()

@@ -10,6 +10,7 @@ corrected by the engine's own step times (`core.prices`), which also decide whet
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import time
 import weakref
@@ -30,7 +31,7 @@ from .core.suffix import Corpus
 from .costs import CostCurve, batch_cost_curve
 from .hf import HFModelRunner, available_memory, check_model, context_length, is_sharded, vocabulary_size
 from .runtime.batch import StepInput, causal_step, pack_steps
-from .sampling import DecodingOptions, check_decoding_options, decoding_rule
+from .sampling import DecodingOptions, check_decoding_options, decoding_rule, with_model_defaults
 
 # Rows a step may feed per sequence beyond its committed tokens: the store keeps this much room past
 # `max_length` so that every step, padding included, is written in place: the window's rows and as many drafts.
@@ -234,6 +235,10 @@ class Engine:
         never sees them."""
         params = RequestParams() if params is None else params
         config = check_params(self.model, params)
+        if params.generation_config is not None and params.generation_config is not self.model.generation_config:
+            # its unset fields from the model's, as generate completes a config it is passed
+            params = dataclasses.replace(params, generation_config=with_model_defaults(self.model,
+                                                                                       params.generation_config))
         prompt = check_request(self.model, prompt_ids, params.max_new_tokens)
         if prompt.numel() + params.max_new_tokens > self.max_length:
             raise ValueError(

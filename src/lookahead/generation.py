@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import numbers
 import time
@@ -20,7 +19,7 @@ from .core.suffix import Corpus
 from .engine import (Engine, GenerationStats, RequestParams, as_token_tensor, check_params, check_request, eos_ids,
                      StoppingCriterion, pad_id, stop_token_list)
 from .hf import check_model
-from .sampling import merged_by_type
+from .sampling import merged_by_type, with_model_defaults
 
 
 @dataclass
@@ -226,8 +225,7 @@ def _generation_config(model: PreTrainedModel, given: GenerationConfig | None, o
                         f"{type(given).__name__}")
     if given is None and not options:
         return model.generation_config
-    config = copy.deepcopy(given) if given is not None else GenerationConfig()
-    config.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    config = with_model_defaults(model, given if given is not None else GenerationConfig())
     unknown = config.update(**options)
     if unknown:
         raise TypeError(f"generate() got options that are neither its arguments nor generation config fields: "

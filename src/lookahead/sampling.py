@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -151,6 +152,14 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
                                  f"decode with; set model.generation_config.{name} = {plain!r} to decode without it")
             raise ValueError(f"{name}={value!r} (generation config) asks for a search lookahead does not decode "
                              f"with; leave it at {plain!r}")
+
+
+def with_model_defaults(model: PreTrainedModel, given: GenerationConfig) -> GenerationConfig:
+    """A copy of `given` with its unset fields from the model's generation config, as `model.generate` completes
+    a config it is passed (its stop tokens, its sampling options)."""
+    config = copy.deepcopy(given)
+    config.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    return config
 
 
 Listed = TypeVar("Listed")
