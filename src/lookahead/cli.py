@@ -588,7 +588,8 @@ def bench_serve_command(
     from .serve import create_app, serve_in_thread
 
     if url is not None:
-        if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc:
+        address = urlsplit(url)
+        if address.scheme not in ("http", "https") or not address.netloc:
             raise typer.BadParameter(f"expected the server's address, http://HOST:PORT, got {url!r}", param_hint="--url")
         _refuse_given(ctx, ["model", "gguf_file", "dtype", "threads", "max_batch", "compile", "cpp_wrapper"],
                       "sets up the server started here; with --url the running server decides: start it so, e.g. "

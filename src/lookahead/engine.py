@@ -231,8 +231,8 @@ class Engine:
         """Queue a request; its id. Raises ValueError, before any work, for a request that cannot run.
         padding: the pad tokens in front of the prompt in the caller's batch row, which the request's logits
         processors and stopping criteria see in front of it, as `generate` hands them its left-padded rows (a
-        repetition penalty counts them, `min_length` and the processors' prompt length include them); the model
-        never sees them."""
+        no-repeat n-gram counts them, `min_length` and the processors' prompt length include them, the repetition
+        penalty skips them as `generate`'s does); the model never sees them."""
         params = RequestParams() if params is None else params
         config = check_params(self.model, params)
         if params.generation_config is not None and params.generation_config is not self.model.generation_config:

@@ -93,8 +93,7 @@ def generate(
     builds from the generation config takes its place, as there. Processors, criteria and
     `prefix_allowed_tokens_fn` (transformers' constraint, called with each row's batch index and its ids) see
     one row at a time ([1, L], its left padding in front): a processor that indexes the batch sees row 0 alone.
-    output_scores, output_logits (None: the generation config's):
-    `out.scores` / `out.logits` as in
+    output_scores, output_logits (None: the generation config's): `out.scores` / `out.logits` as in
     `generate(..., return_dict_in_generate=True)`: per new token position a [B, vocab] float32 tensor, the scores
     each token was picked from (its logits after the processors and warpers) or the raw logits; a row whose
     sequence has stopped holds 0 for the pad token and -inf elsewhere (`generate` would run the model on

@@ -77,8 +77,9 @@ class DecodingOptions:
 def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt_length: int, max_new_tokens: int,
                   eos: Sequence[int], padding: int = 0) -> DecodingRule:
     """Validate the options and build the processors `generate` would for a prompt of `prompt_length` tokens
-    (the first `padding` of them a batch row's left padding) stopping at `eos`, in transformers' order: those the model's generation config asks for (sequence bias,
-    repetition penalty, no-repeat n-grams, bad words, minimum lengths, forced tokens, suppressed tokens), the
+    (the first `padding` of them a batch row's left padding) stopping at `eos`, in transformers' order: those
+    the model's generation config asks for (sequence bias, repetition penalty, no-repeat n-grams, bad words,
+    minimum lengths, the prefix constraint, forced tokens, suppressed tokens), the
     user's processors (one of the same type as one of those replacing it, as in `generate`), then (sampling
     only) temperature, top-k, top-p and the other warpers the config sets, and last the config's
     `renormalize_logits`. temperature=0 means greedy."""

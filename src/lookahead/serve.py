@@ -17,13 +17,13 @@ import threading
 import time
 import traceback
 import uuid
-from urllib.parse import urlsplit
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, ClassVar, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import jinja2
 import torch
@@ -31,9 +31,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import AUTO_CONFIG, PLAIN_CONFIG, LookaheadConfig
@@ -128,6 +128,9 @@ class _Common(_Body):
         "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
         "lookahead": '"auto", "off" or an object of integers {"window": W, "ngram": N, "guesses": G}'}
 
+    # New tokens at most without a cap from the client (None: what is left of the context).
+    DEFAULT_TOKENS: ClassVar[int | None] = None
+
     # OpenAI's fields that this server does not implement, each with the values that ask for nothing more
     # than what it does (the first one is the one to suggest).
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
@@ -141,9 +144,6 @@ class _Common(_Body):
             if value is not None and value not in harmless:
                 allowed = f" or set it to {json.dumps(harmless[0])}" if harmless else ""
                 raise APIError(400, f"{name} is not supported by this server: leave it out{allowed}", name)
-
-    # New tokens at most without a cap from the client (None: what is left of the context).
-    DEFAULT_TOKENS: ClassVar[int | None] = None
 
     def token_limit(self) -> tuple[str, int | None]:
         """The client's cap on new tokens (None: none given) and the field it came in."""
