@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -426,3 +427,21 @@ def test_the_bench_decodes_greedily_whatever_the_models_generation_config_asks_f
     model.generation_config.eos_token_id = []
     for method in (Method("plain", "plain"), Method("lookahead", "lookahead", LookaheadConfig(3, 3, 3))):
         assert run_method(model, method, prompt, 12)[0] == expected, method
+
+
+def test_the_bench_times_our_whole_call_as_it_times_transformers(monkeypatch):
+    """transformers' `generate` is timed as a whole call; ours is too (its engine's set-up included), not from
+    where our own statistics start counting."""
+    from conftest import make_tiny_model
+
+    import lookahead.generation
+    from lookahead.bench.runner import Method, run_method
+
+    class SlowToSetUp(lookahead.generation.Engine):
+        def __init__(self, *args, **kwargs) -> None:
+            time.sleep(0.3)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(lookahead.generation, "Engine", SlowToSetUp)
+    seconds = run_method(make_tiny_model("llama"), Method("plain", "plain"), torch.tensor([[5, 6, 7, 8]]), 4)[2]
+    assert seconds >= 0.3

@@ -380,13 +380,72 @@ def test_a_curve_is_measured_by_one_process_at_a_time(llama_tiny, costs, tmp_pat
     path = tmp_path / "costs" / "curve.json"
     results = []
     runner = HFModelRunner(llama_tiny)
-    threads = [threading.Thread(target=lambda: results.append(costs._stored(path, measure, runner))) for _ in range(2)]
+    threads = [threading.Thread(target=lambda: results.append(costs._stored(path, measure, runner, lambda m: True)))
+               for _ in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert len(calls) == 1 and results == [{"seconds": [1.0, 2.0]}] * 2
     assert json.loads(path.read_text()) == {"seconds": [1.0, 2.0]}
+
+
+@pytest.mark.parametrize("content", [
+    "", '{"sizes": [1, 2, 4', "[]", '{"sizes": [1, 2, 4, 8]}', '{"sizes": [1, 2, 4, 8], "plain": [0, 0, 0, 0]}',
+    '{"sizes": [1, 2, 4, 8], "plain": [NaN, 11, 13, 20]}', '{"sizes": [1, 2, 4, 8], "plain": [10, 11]}',
+    '{"sizes": [2, 1, 4, 8], "plain": [10, 11, 13, 20]}', '{"sizes": [1, 2, 4, 8], "plain": ["10", 11, 13, 20]}',
+])
+def test_a_stored_curve_cut_short_or_edited_is_measured_again(llama_tiny, costs, tmp_path, monkeypatch, content):
+    """A cost file that is not a curve of this runner's paths (cut short by a full disk, edited, of another
+    layout) is as good as none: measured again and rewritten, not an error in every later run."""
+    runner = HFModelRunner(llama_tiny, packed_linear=False)
+    path = tmp_path / "costs" / f"{costs._curve_key(runner)}.json"
+    path.parent.mkdir()
+    path.write_text(content)
+    assert costs.cost_curve(runner).relative == [1.0, 1.1, 1.3, 2.0]  # the fixture's measurement
+    assert json.loads(path.read_text())["plain"] == [10.0, 11.0, 13.0, 20.0]
+    batch = tmp_path / "costs" / f"{costs._path_key(runner)}-b2.json"
+    batch.write_text(content.replace("plain", "seconds"))
+    measured = {"sizes": [1, 2], "seconds": [20.0, 30.0], "one_row": 10.0}
+    monkeypatch.setattr(costs, "_step_seconds", lambda runner, sizes, batch: measured)
+    assert costs.batch_cost_curve(runner, 2).relative == [1.0, 1.5]
+    assert json.loads(batch.read_text()) == measured
+
+
+def test_a_cache_folder_that_cannot_be_written_keeps_the_curves_in_memory(llama_tiny, costs, tmp_path, monkeypatch):
+    """Where $LOOKAHEAD_CACHE cannot hold the curves (a file there, a read-only folder), decoding measures
+    them, warns once, and goes on, exact."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path / "a-file"))
+    runner = HFModelRunner(llama_tiny, packed_linear=False)
+    with pytest.warns(RuntimeWarning, match="cost curves not kept, .* is not writable"):
+        assert costs.cost_curve(runner).relative == [1.0, 1.1, 1.3, 2.0]
+    prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(RuntimeWarning, match="cost curves not kept"):  # the batch curves' files, likewise
+        out = generate(llama_tiny, prompt, max_new_tokens=16)
+    assert out.sequences.tolist() == reference_greedy(llama_tiny, prompt, 16).tolist()
+
+
+def test_a_stored_curve_is_checked_on_the_path_it_chose(llama_tiny, monkeypatch, costs, tmp_path):
+    """The probe that decides whether a stored curve was measured on a busy machine times the linear path
+    the curve chose (here a packer from one row), not the plain one: a packed one-row step stored at 20 ms
+    that now takes 5 ms is measured again, although the plain path takes 25 ms now."""
+    monkeypatch.setattr(lookahead.hf.PackedLinears, "packers", staticmethod(lambda model: ("mkl",)))
+    runner = HFModelRunner(llama_tiny)
+    path = tmp_path / "costs" / f"{costs._curve_key(runner)}.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"sizes": [1, 2, 4, 8], "plain": [30.0, 31.0, 33.0, 40.0],
+                                "mkl": [20.0, 21.0, 23.0, 30.0]}))
+    monkeypatch.setattr(costs, "timed_seconds", lambda run, device: 5.0 if runner.packer == "mkl" else 25.0)
+    costs.cost_curve(runner)
+    assert json.loads(path.read_text())["mkl"] == [10.0, 11.0, 13.0, 20.0]  # the fixture's measurement
+
+
+def test_the_cost_curve_is_keyed_by_the_attention_implementation(costs):
+    """Eager attention and SDPA run different kernels: a curve timed on one does not price the other."""
+    eager, sdpa = (make_tiny_model("llama") for _ in range(2))
+    eager.config._attn_implementation, sdpa.config._attn_implementation = "eager", "sdpa"
+    assert costs._curve_key(HFModelRunner(eager)) != costs._curve_key(HFModelRunner(sdpa))
 
 
 MKL_TIMES = [10.5, 11.5, 11.0, 14.0]  # faster than the plain path from 4 rows on

@@ -457,3 +457,13 @@ def test_a_requests_generation_config_takes_its_unset_fields_from_the_models():
     tokens = [t for _ in iter(engine.has_unfinished, False) for o in engine.step() if o.request_id == request
               for t in o.tokens]
     assert tokens == expected[0, 8:].tolist()
+
+
+@pytest.mark.parametrize("config", [LookaheadConfig(), None])
+def test_the_window_is_not_fed_on_a_requests_last_step(llama_tiny, config):
+    """The window's rows only feed later steps: a request with one token left feeds its last token alone (its
+    guesses are capped there already)."""
+    prompt = torch.tensor([[1] + [5, 6, 7, 8] * 6])
+    out = generate(llama_tiny, prompt, max_new_tokens=1, config=config, eos_token_id=[])
+    assert (out.stats.steps, out.stats.tokens_fed) == (1, 1)
+    assert out.sequences.tolist() == reference_greedy(llama_tiny, prompt, 1, eos_token_id=[]).tolist()

@@ -159,6 +159,16 @@ def test_cache_folder_is_named_by_content_dtype_and_format_version(cache, gguf_p
     assert models.cache_folder(gguf_path).name == f"tiny-{digest[:16]}-float32-v{models.CACHE_FORMAT_VERSION}"
 
 
+def test_the_cache_root_is_absolute_and_an_empty_setting_means_the_default(monkeypatch, tmp_path):
+    """LOOKAHEAD_CACHE="" (an unset variable passed on) means ~/.cache/lookahead, not the working folder; a
+    relative setting names a folder below the working folder, as an absolute path."""
+    monkeypatch.setenv("LOOKAHEAD_CACHE", "")
+    assert models.cache_root() == (Path.home() / ".cache" / "lookahead").resolve()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOOKAHEAD_CACHE", "relative")
+    assert models.cache_root() == tmp_path.resolve() / "relative"
+
+
 def test_touching_or_reinstalling_the_file_reuses_the_copy(cache, gguf_path, tmp_path, dequantisations):
     first, _ = load_model(gguf_path)
     folder = Path(first.config._name_or_path)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import reference_greedy
 
-from lookahead import generate
+from lookahead import LookaheadConfig, generate
 from lookahead.config import AUTO_CONFIG
 from lookahead.core.drafts import Draft
 from lookahead.core.prices import StepPrices
@@ -159,3 +159,39 @@ def test_the_engine_stops_proposing_where_its_timed_steps_show_that_drafts_do_no
         assert out.stats.undrafted_steps <= 1 and out.stats.tokens_per_step > 2.5
     else:  # judged over 16 drafted steps, paused for 8; judged again, paused for 16
         assert out.stats.undrafted_steps >= 8 + 16
+
+
+def test_a_flat_curve_still_learns_what_tall_steps_cost():
+    """A curve that prices extra rows at nothing (flat where rows are nearly free, or flattened by one fast time
+    at its tallest step) would leave nothing for the correction to scale: rows are priced at a floor, and
+    64-row steps found to take twice a one-row step come to be priced so."""
+    prices = StepPrices(lambda batch: (lambda height: 1.0))
+    prices.record(1, 1, 0.010, 0.0, drafted=False)
+    for _ in range(200):
+        prices.record(1, 64, 0.020, 0.0, drafted=True, tokens=1, offered=True)
+        prices.record(1, 1, 0.010, 0.0, drafted=False)
+    assert prices.cost(1)(64) == pytest.approx(2.0, rel=0.05)
+    assert StepPrices(linear_curve(0.1)).cost(1)(5) == pytest.approx(1.4)  # a curve above the floor, as it says
+
+
+def test_a_budgeted_request_beside_one_of_a_fixed_config_keeps_drafting(llama_tiny, monkeypatch):
+    """Beside a request of a fixed config every step carries its drafts and is taller than one row, so the step
+    prices never see the plain steps they judge drafts by: such a batch is priced by the measured curve alone.
+    (Before, the budgeted request stopped drafting for good after its first step.)"""
+    from lookahead.engine import Engine, RequestParams
+
+    prompt = torch.randint(3, 128, (20,), generator=torch.Generator().manual_seed(0))
+    expected = reference_greedy(llama_tiny, prompt.view(1, -1), 60, eos_token_id=[])[0].tolist()
+    engine = Engine(llama_tiny, max_batch=2, max_length=100)
+    monkeypatch.setattr(engine, "_cost", lambda batch: (lambda height: 1.0 + 0.001 * (height - 1)))  # rows ~free
+    budgeted = engine.add_request(prompt, RequestParams(max_new_tokens=60, eos_token_id=[],
+                                                        proposers=[Oracle(expected)]))
+    fixed = engine.add_request(prompt, RequestParams(max_new_tokens=60, eos_token_id=[], config=LookaheadConfig()))
+    outputs, stats = {budgeted: [], fixed: []}, {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id] += output.tokens
+            if output.finished:
+                stats[output.request_id] = output.stats
+    assert outputs[budgeted] == outputs[fixed] == expected[20:]
+    assert stats[budgeted].undrafted_steps == 0 and stats[budgeted].tokens_per_step > 2.5

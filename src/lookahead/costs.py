@@ -13,6 +13,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from bisect import bisect_left
 from contextlib import nullcontext
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ from filelock import FileLock
 from transformers import PreTrainedModel
 
 from . import kernels
+from .attention import loaded_attention
 from .hf import HFModelRunner, UnsupportedModelError, context_length, is_sharded
 from .models import cache_root
 from .runtime.batch import causal_step, pack_steps
@@ -184,15 +186,16 @@ def median_seconds(run: Callable[[], object], repeats: int, device: torch.device
 
 
 def _curve_key(runner: HFModelRunner) -> str:
-    """What the cost depends on: the model's shape (not its weights), dtype, device, threads, linear paths, and
-    on a CPU the build of our kernels (named by their sources: a changed kernel is timed afresh)."""
+    """What the cost depends on: the model's shape (not its weights), attention implementation, dtype, device,
+    threads, linear paths, and on a CPU the build of our kernels (named by their sources: a changed kernel is
+    timed afresh)."""
     model: PreTrainedModel = runner.model
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else runner.device.type
     built = kernels.library() if runner.device.type == "cpu" else None
-    described = json.dumps([COST_FORMAT_VERSION, type(model).__name__, config, str(runner.dtype), device,
-                            torch.get_num_threads(), runner.packing, runner.packers, torch.__version__,
-                            built.name if built else None],
+    described = json.dumps([COST_FORMAT_VERSION, type(model).__name__, config, loaded_attention(model.config),
+                            str(runner.dtype), device, torch.get_num_threads(), runner.packing, runner.packers,
+                            torch.__version__, built.name if built else None],
                            sort_keys=True, default=str)
     return hashlib.blake2b(described.encode(), digest_size=16).hexdigest()
 
@@ -219,27 +222,58 @@ def _seconds(runner: HFModelRunner, packers: Sequence[str | None], sizes: Sequen
     return {packer: [fastest[packer, k] for k in sizes] for packer in packers}
 
 
-def _stored(path: Path, measure: Callable[[], dict], runner: HFModelRunner,
+def _stored(path: Path, measure: Callable[[], dict], runner: HFModelRunner, valid: Callable[[dict], bool],
             stale: Callable[[dict], bool] = lambda measured: False) -> dict:
     """What `measure()` returns, measured once: kept in memory and on disk (written atomically), and measured
-    again where what a process reads from disk is `stale`. One process measures a file at a time (a lock per
-    file), the others then read it: two measuring at once would do the work twice, each timing its steps
-    under the other's load. Not the ranks of a sharded model: each of its forwards is collective, so they
-    measure together (and rank 0's curves are used)."""
+    again where what a process reads from disk is not `valid` (a file cut short, edited, of another layout)
+    or is `stale`. One process measures a file at a time (a lock per file), the others then read it: two
+    measuring at once would do the work twice, each timing its steps under the other's load. Not the ranks
+    of a sharded model: each of its forwards is collective, so they measure together (and rank 0's curves
+    are used). A cache folder that cannot be written costs a warning: the times are kept in memory alone."""
     key = path.stem
-    if key not in _MEASURED:
+    if key in _MEASURED:
+        return _MEASURED[key]
+    sharded = is_sharded(runner.model)
+    measured = None
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        sharded = is_sharded(runner.model)
         with nullcontext() if sharded else FileLock(path.with_name(f".{path.name}.lock")):
-            stored = json.loads(path.read_text()) if path.is_file() else None
-            if stored is not None and (sharded or not stale(stored)):
-                _MEASURED[key] = stored
-            else:
-                _MEASURED[key] = measure()
+            measured = _read_json(path)
+            if measured is not None and not valid(measured):
+                measured = None
+            if measured is None or (not sharded and stale(measured)):
+                measured = measure()
                 partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-                partial.write_text(json.dumps(_MEASURED[key]))
+                partial.write_text(json.dumps(measured))
                 os.replace(partial, path)
-    return _MEASURED[key]
+    except OSError as error:
+        warnings.warn(f"lookahead's cost curves not kept, {path.parent} is not writable ({error}); they are measured "
+                      "in each process (set LOOKAHEAD_CACHE to a writable folder)", RuntimeWarning, stacklevel=3)
+        if measured is None:
+            measured = measure()
+    _MEASURED[key] = measured
+    return measured
+
+
+def _read_json(path: Path) -> dict | None:
+    """The object stored at `path`; None where there is none or it is not JSON of an object."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return stored if isinstance(stored, dict) else None
+
+
+def _step_times(values: object, count: int) -> bool:
+    """Whether `values` is a list of `count` step times: finite numbers above 0."""
+    return (isinstance(values, list) and len(values) == count
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in values))
+
+
+def _curve_sizes(sizes: object) -> bool:
+    """Whether `sizes` is a list of step heights a cost curve takes: increasing integers from 1."""
+    return (isinstance(sizes, list) and len(sizes) >= 2 and sizes[0] == 1
+            and all(isinstance(k, int) and not isinstance(k, bool) for k in sizes) and sizes == sorted(set(sizes)))
 
 
 _MEASURED: dict[str, dict] = {}  # file stem -> measured seconds, read from disk once per process
@@ -271,7 +305,7 @@ _ONE_ROW_NOW: dict[str, float] = {}  # curve key and linear path -> `_one_row_no
 
 def _chosen_path(runner: HFModelRunner, measured: dict) -> list[float]:
     """Sets the linear path `cost_curve` describes (see there) on the runner; returns its step times."""
-    sizes, plain = measured["sizes"], measured["plain"]
+    sizes, plain = measured["sizes"], measured.get("plain")
     options = [(None, None, plain)] if plain is not None else []
     for packer in runner.packers:
         packed = measured[packer]
@@ -301,10 +335,18 @@ def cost_curve(runner: HFModelRunner) -> CostCurve:
         measured = _seconds(runner, paths)
         return {"sizes": list(CURVE_SIZES), "plain": measured.pop(None, None), **measured}
 
-    def stale(measured: dict) -> bool:
-        return _one_row_now(runner) < REMEASURE_BELOW * _chosen_path(runner, measured)[0]
+    def valid(measured: dict) -> bool:
+        sizes = measured.get("sizes")
+        paths = [measured.get(packer) for packer in runner.packers]
+        if runner.packing is not True:
+            paths.append(measured.get("plain"))
+        return _curve_sizes(sizes) and bool(paths) and all(_step_times(times, len(sizes)) for times in paths)
 
-    measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}.json", measure, runner, stale)
+    def stale(measured: dict) -> bool:
+        seconds = _chosen_path(runner, measured)  # the path first: the probe times the path the runner takes
+        return _one_row_now(runner) < REMEASURE_BELOW * seconds[0]
+
+    measured = _stored(cache_root() / "costs" / f"{_curve_key(runner)}.json", measure, runner, valid, stale)
     seconds = _chosen_path(runner, measured)
     _ONE_ROW_NOW.setdefault(_path_key(runner), seconds[0])  # where measured just now
     runner.drop_other_packs()
@@ -336,6 +378,9 @@ def _path_curve(runner: HFModelRunner, sizes: Sequence[int], batch: int) -> Cost
         "-kernels" if runner.compiled_kernel else "")
     measured = _stored(cache_root() / "costs" / f"{_path_key(runner)}-b{batch}{compiled}.json",
                        lambda: _step_seconds(runner, sizes, batch), runner,
+                       lambda measured: (_curve_sizes(measured.get("sizes"))
+                                         and _step_times(measured.get("seconds"), len(measured["sizes"]))
+                                         and _step_times([measured.get("one_row")], 1)),
                        lambda measured: _one_row_now(runner) < REMEASURE_BELOW * measured["one_row"])
     return CostCurve(measured["sizes"], measured["seconds"], runner.compiled_heights if runner.compile else ())
 

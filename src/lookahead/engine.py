@@ -396,19 +396,23 @@ class Engine:
 
     def _plans(self, decoding: list[_Request]) -> tuple[list[StepPlan], bool, bool, bool]:
         """Each request's step, sized together: the rows go where they pay for the batch as a whole. Also
-        whether the step carries drafts, whether any were on offer, and whether it is priced (some request
+        whether the step carries drafts, whether any were on offer, and whether it is priced (every request
         has the budget). Where drafts do not pay at this batch size (`StepPrices.drafts`), budgeted requests feed
         their last token alone, without proposing anything."""
         budgeted = [r.decoder.cost is not None for r in decoding]
-        prices = self.prices if self.prices is not None and any(budgeted) else None
+        # Priced only where every request has the budget: beside a request of a fixed config, every step is
+        # drafted and taller than one row, so the prices would never see the plain steps they are judged by.
+        prices = self.prices if self.prices is not None and all(budgeted) else None
         cost = prices.cost(len(decoding)) if prices is not None else self._cost(len(decoding))
         drafts = prices is None or prices.drafts(len(decoding))
         drafting = [drafts or not b for b in budgeted]
         proposals = [self._proposal(r) if d else NO_PROPOSAL for r, d in zip(decoding, drafting)]
-        windows = [d and r.decoder.window_pays(cost) and r.decoder.window_fits() for r, d in zip(decoding, drafting)]
+        lefts = [r.params.max_new_tokens - len(r.generated) for r in decoding]
+        # The window's rows feed later steps: not the last one a request may take.
+        windows = [d and left > 1 and r.decoder.window_pays(cost) and r.decoder.window_fits()
+                   for r, d, left in zip(decoding, drafting, lefts)]
         demands = []
-        for request, proposal, window in zip(decoding, proposals, windows):
-            left = request.params.max_new_tokens - len(request.generated)
+        for request, proposal, window, left in zip(decoding, proposals, windows, lefts):
             # Nodes past the last token this request may still commit cannot pay.
             most = min(request.decoder.base_rows(window) + left - 1, STEP_ROOM)
             demands.append(request.decoder.demand(proposal, window, most))

@@ -47,8 +47,9 @@ class ModelLoadError(ValueError):
 
 
 def cache_root() -> Path:
-    """Where dequantised models (and the tests' reference outputs) are cached: $LOOKAHEAD_CACHE."""
-    return Path(os.environ.get("LOOKAHEAD_CACHE", Path.home() / ".cache" / "lookahead")).expanduser()
+    """Where dequantised models, cost curves, our kernels (and the tests' reference outputs) are cached, as an
+    absolute path: $LOOKAHEAD_CACHE, or ~/.cache/lookahead where it is unset or empty (not the working folder)."""
+    return Path(os.environ.get("LOOKAHEAD_CACHE") or Path.home() / ".cache" / "lookahead").expanduser().resolve()
 
 
 def default_model_dir() -> Path:

@@ -112,9 +112,11 @@ def run_method(
             options.update(do_sample=True, generator=torch.Generator().manual_seed(seed))
         else:  # greedy, whatever the model's generation config asks for (as the greedy baselines are)
             options["do_sample"] = False
+        start = time.perf_counter()  # the whole call, as `hf_generate` times transformers' (our set-up included)
         out = generate(model, input_ids, max_new_tokens=max_new_tokens, config=config, compile=method.compile, **options)
+        seconds = time.perf_counter() - start
         s = out.stats
-        return (out.sequences[0, prompt_len:].tolist(), s.steps, s.seconds, s.forward_seconds, s.tokens_fed,
+        return (out.sequences[0, prompt_len:].tolist(), s.steps, seconds, s.forward_seconds, s.tokens_fed,
                 s.phase_seconds, s.accepted_by_source, s.window)
     if method.kind == "pld":
         options["prompt_lookup_num_tokens"] = PLD_TOKENS

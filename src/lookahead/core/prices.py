@@ -96,6 +96,11 @@ class StepPrices:
     PAYS_ABOVE = 1.05
     RETRY_AFTER = (8, 64)  # steps without drafts once they were found not to pay: the first pause, the longest
     REFRESH_AFTER = 64
+    # Rows beyond the first are priced at least this share of a one-row step each, before the correction: the
+    # correction scales the curve's price of the extra rows, and a curve that prices them at nothing (flat on a
+    # device where rows are nearly free, or flattened by one fast time at its tallest step) would never learn
+    # what they were found to cost.
+    ROW_FLOOR = 0.005
 
     def __init__(self, curve: Callable[[int], StepCost]) -> None:
         self._curve = curve  # batch size -> the measured relative cost by height
@@ -111,7 +116,11 @@ class StepPrices:
         curve, seen = self._curve(batch), self._bucket(batch)
         outside = self._outside(seen, batch, drafted=True)
         extra_rows = min(max(seen.extra_rows, 0.5), 4.0)  # a few early steps on a busy machine say little
-        return lambda height: 1.0 + (curve(height) - 1.0) * extra_rows + outside
+        return lambda height: 1.0 + self._rows_priced(curve, height) * extra_rows + outside
+
+    def _rows_priced(self, curve: StepCost, height: int) -> float:
+        """What the rows of a step beyond its first cost by the curve, in one-row steps (at least ROW_FLOOR each)."""
+        return max(curve(height) - 1.0, self.ROW_FLOOR * (height - 1))
 
     @staticmethod
     def _outside(seen: _Bucket, batch: int, drafted: bool) -> float:
@@ -153,7 +162,7 @@ class StepPrices:
             seen.one_row, seen.one_row_age = _running(seen.one_row, usual, self.DECAY), 0
         elif seen.one_row is not None:
             seen.rows_found = seen.rows_found * self.SUM_DECAY + forward_seconds / seen.one_row - 1.0
-            seen.rows_priced = seen.rows_priced * self.SUM_DECAY + curve(height) - 1.0
+            seen.rows_priced = seen.rows_priced * self.SUM_DECAY + self._rows_priced(curve, height)
         seen.overhead[drafted] = _running(seen.overhead.get(drafted), overhead_seconds / batch, self.DECAY)
         if drafted and tokens is not None:
             plain = 1.0 + self._outside(seen, batch, drafted=False)  # what a plain step costs, likewise
