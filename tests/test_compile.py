@@ -641,6 +641,22 @@ def test_our_kernel_is_offered_only_where_it_builds(llama_tiny, monkeypatch, tmp
         lookahead.kernels.library.cache_clear()
 
 
+@pytest.mark.parametrize("cc, warning", [
+    ("env false", r"kernels did not build \(env failed"),  # a command of several words (as `ccache cc`) is run
+    ("no-such-compiler -m64", r"CC='no-such-compiler -m64' names no program found on the PATH"),
+])
+def test_a_compiler_named_in_cc_is_run_with_its_arguments_or_said_to_be_missing(monkeypatch, tmp_path, cc, warning):
+    """CC and CXX may hold a command with arguments; one that names no program says so, never silently."""
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", cc)
+    lookahead.kernels.library.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=warning):
+            assert lookahead.kernels.library() is None
+    finally:
+        lookahead.kernels.library.cache_clear()
+
+
 def test_a_cache_folder_that_cannot_be_written_means_no_kernel_and_a_warning(llama_tiny, monkeypatch, tmp_path):
     """Where the kernels cannot be built or kept, decoding runs without them rather than failing."""
     (tmp_path / "not-a-folder").write_text("")

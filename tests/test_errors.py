@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
+from conftest import reference_greedy, run_cli
 from test_exact_tiny import ForwardRecorder
-from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
+from transformers import (BertConfig, BertLMHeadModel, FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          T5Config, T5ForConditionalGeneration)
 
 from lookahead import Corpus, LookaheadConfig, UnsupportedModelError, generate
 from lookahead.models import ModelLoadError, load_model
@@ -85,6 +86,30 @@ def test_encoder_decoder_is_refused():
     model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16))
     with pytest.raises(UnsupportedModelError, match="decoder-only"):
         generate(model.eval(), [1, 2, 3])
+
+
+def test_a_model_that_attends_to_later_tokens_is_refused():
+    """BERT loads through AutoModelForCausalLM as BertLMHeadModel, attending both ways unless is_decoder: refused
+    by name, where it would decode something other than `generate`; as a decoder it decodes exactly."""
+    for is_decoder in (False, True):
+        model = BertLMHeadModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                           intermediate_size=64, is_decoder=is_decoder)).eval()
+        if not is_decoder:
+            with pytest.raises(UnsupportedModelError, match="BertLMHeadModel attends to later tokens.*is_decoder=True"):
+                generate(model, [1, 2, 3])
+        else:
+            prompt = torch.tensor([[1, 2, 3, 4]])
+            expected = reference_greedy(model, prompt, 8, eos_token_id=[])
+            out = generate(model, prompt, max_new_tokens=8, config=LookaheadConfig(3, 3, 3), eos_token_id=[])
+            assert out.sequences.tolist() == expected.tolist()
+
+
+def test_falcon_with_alibi_is_refused():
+    """Falcon's ALiBi reads positions from a 2-D attention mask, which a lookahead step does not have."""
+    model = FalconForCausalLM(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                           alibi=True)).eval()
+    with pytest.raises(UnsupportedModelError, match="alibi=True takes its positions from a 2-D attention mask"):
+        generate(model, [1, 2, 3])
 
 
 def test_not_a_model_is_refused():

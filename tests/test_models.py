@@ -209,6 +209,20 @@ def test_new_content_gets_a_new_copy_and_older_copies_of_the_stem_are_removed(
     assert _entries(cache) == sorted([_copy_name(new), *unrelated])
 
 
+def test_two_files_of_the_same_name_keep_a_copy_each(cache, tmp_path, tiny_gguf_bytes, dequantisations):
+    """`model.gguf` in two folders (a common name on the hub): each has its own copy, and loading one does not
+    remove the other's (each load had dequantised again)."""
+    paths = []
+    for seed in (0, 1):
+        folder = tmp_path / f"models-{seed}"
+        folder.mkdir()
+        paths.append(folder / TINY)
+        paths[-1].write_bytes(tiny_gguf_bytes[seed])
+    names = [_copy_name(load_model(path)[0]) for path in paths + paths]
+    assert len(dequantisations) == 2 and names[:2] == names[2:] and names[0] != names[1]
+    assert _entries(cache) == sorted(names[:2])
+
+
 def test_a_leftover_partial_copy_is_never_loaded_and_is_removed(cache, gguf_path, dequantisations):
     target = models.cache_folder(gguf_path)
     cache.mkdir()

@@ -164,6 +164,48 @@ def test_a_worker_that_dies_ends_the_run_with_a_clear_error_within_seconds(how, 
     assert time.perf_counter() - start < 45  # not the process group's 60 s timeout, let alone a hang
 
 
+def _sleep_marked(folder: str) -> None:
+    Path(folder, str(os.getpid())).touch()
+    time.sleep(120)
+
+
+def test_workers_stop_when_their_caller_is_interrupted(tmp_path, monkeypatch):
+    """A Ctrl-C (or any exception) in the caller while its workers run stops them too: they do not decode on in
+    the background, nor keep the caller's process from exiting."""
+    import lookahead.parallel
+
+    start_processes = lookahead.parallel.mp.start_processes
+
+    def interrupted_once_started(*args, **kwargs):
+        context = start_processes(*args, **kwargs)
+        join = context.join
+
+        def join_then_interrupt(timeout=None):
+            if len(list(tmp_path.iterdir())) == 2:  # both workers run
+                raise KeyboardInterrupt
+            return join(timeout)
+
+        context.join = join_then_interrupt
+        return context
+
+    monkeypatch.setattr(lookahead.parallel.mp, "start_processes", interrupted_once_started)
+    with pytest.raises(KeyboardInterrupt):
+        run_workers(2, _sleep_marked, str(tmp_path), threads=1)
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    pids = [int(path.name) for path in tmp_path.iterdir()]
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(pids) == 2 and not any(alive(pid) for pid in pids)
+
+
 def _misuse(case: str) -> None:
     import torch.distributed as dist
 

@@ -423,10 +423,33 @@ def check_model(model: PreTrainedModel) -> None:
         )
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError("encoder-decoder models are not supported; use a decoder-only causal LM")
+    if getattr(config, "alibi", False):  # Falcon's ALiBi: positions read from a 2-D mask, not from position_ids
+        raise UnsupportedModelError(f"{type(model).__name__} with alibi=True takes its positions from a 2-D attention "
+                                    "mask; lookahead steps need position_ids and a 4-D mask")
     parameters = inspect.signature(model.forward).parameters
     cache_argument = "cache" if "cache" in parameters else "past_key_values"
     if cache_argument not in parameters or "position_ids" not in parameters:
         raise UnsupportedModelError(f"{type(model).__name__}.forward must accept attention_mask, position_ids and a cache")
+    if not is_causal(model):
+        raise UnsupportedModelError(f"{type(model).__name__} attends to later tokens (not a causal LM as loaded; a "
+                                    "BERT-like model needs is_decoder=True)")
+
+
+def is_causal(model: PreTrainedModel) -> bool:
+    """Whether a token's logits ignore the tokens after it: one forward of two rows that differ in their second
+    token, once per model (a BERT-like model loaded as a causal LM without is_decoder attends both ways). Not
+    probed on a sharded model, whose forwards are collective."""
+    if model not in _CAUSAL:
+        if is_sharded(model):
+            return True
+        with torch.inference_mode():
+            ids = torch.tensor([[0, 1], [0, 0]], device=model.device)
+            first = model(input_ids=ids, use_cache=False).logits[:, 0].float()
+        _CAUSAL[model] = torch.allclose(first[0], first[1], rtol=1e-3, atol=1e-3 * float(first.abs().max()))
+    return _CAUSAL[model]
+
+
+_CAUSAL: weakref.WeakKeyDictionary[PreTrainedModel, bool] = weakref.WeakKeyDictionary()
 
 
 def compile_mode(compile: bool | str) -> str | None:

@@ -105,13 +105,21 @@ def _is_complete(folder: Path) -> bool:
     return (folder / "config.json").is_file()
 
 
-def _remove_old_copies(root: Path, stem: str, keep: Path) -> None:
-    """Under the stem's lock: remove the other copies of the same stem (another content, dtype or format
-    version, or the older `{stem}-{size}-{mtime}` naming) and the leftovers of interrupted writes."""
+# In each copy: the GGUF file it was made from, so that a file of the same name elsewhere keeps its own copy.
+SOURCE_RECORD = "lookahead-source.txt"
+
+
+def _remove_old_copies(root: Path, stem: str, keep: Path, source: Path) -> None:
+    """Under the stem's lock: remove the other copies made from `source` (another content, dtype or format
+    version, or the older `{stem}-{size}-{mtime}` naming; a copy that records no source counts as its) and the
+    leftovers of interrupted writes. Copies of another file of the same name stay."""
     copy = rf"{re.escape(stem)}-(?:[0-9a-f]{{16}}-[a-z0-9]+-v\d+|\d+-\d+)"
     stale = re.compile(rf"\.?{copy}(?:\.partial-[0-9a-f-]+)?")
     for entry in root.iterdir() if root.is_dir() else ():
-        if entry != keep and entry.is_dir() and stale.fullmatch(entry.name):
+        if entry == keep or not entry.is_dir() or not stale.fullmatch(entry.name):
+            continue
+        record = entry / SOURCE_RECORD
+        if entry.name.startswith(".") or not record.is_file() or record.read_text() == str(source):
             shutil.rmtree(entry, ignore_errors=True)
 
 
@@ -157,6 +165,7 @@ def _cached_gguf(folder: Path, gguf_file: str) -> Iterator[Path]:
             partial = target.with_name(f".{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             try:
                 _dequantise(folder, gguf_file, partial)
+                (partial / SOURCE_RECORD).write_text(str(gguf_path.resolve()))
                 partial.rename(target)
             except OSError as error:
                 # The cache folder was deleted (its lock file with it) and refilled by a run that did not
@@ -167,7 +176,7 @@ def _cached_gguf(folder: Path, gguf_file: str) -> Iterator[Path]:
                     ) from error
             finally:
                 shutil.rmtree(partial, ignore_errors=True)
-        _remove_old_copies(target.parent, gguf_path.stem, keep=target)
+        _remove_old_copies(target.parent, gguf_path.stem, keep=target, source=gguf_path.resolve())
         yield target
     finally:
         lock.release()

@@ -191,8 +191,23 @@ def run_workers(workers: int, target: Callable[..., object], *args, threads: int
         except ProcessException:
             drain()
             raise WorkerError(_first_failure(context.processes, received, workers)) from None
+        except BaseException:  # the caller interrupted (Ctrl-C, a signal's exception): its workers stop too
+            _stop(context.processes)
+            raise
         drain()
     return pickle.loads(next(payload for kind, payload in received if kind == "result"))
+
+
+def _stop(processes, grace: float = 5.0) -> None:
+    """Terminate the workers still running, then kill those that outlast `grace` seconds."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=grace)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _first_failure(processes, received: list[tuple[str, object]], workers: int) -> str:

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -56,12 +57,14 @@ def _built_and_loaded() -> Path | None:
     if platform.machine() not in ("x86_64", "AMD64") or not cpu.is_file():
         return None
     flags = next((line for line in cpu.read_text().splitlines() if line.startswith("flags")), "")
-    compilers = [shutil.which(os.environ.get(name, default)) for name, default in (("CC", "cc"), ("CXX", "c++"))]
-    if "avx512f" not in flags.split() or None in compilers:
+    if "avx512f" not in flags.split():
+        return None
+    compilers = [_compiler(name, default) for name, default in (("CC", "cc"), ("CXX", "c++"))]
+    if None in compilers:
         return None
     # Built for this CPU (-march=native) and this torch: the CPU's flags, the compilers and the commands that
     # build with them, torch's version and the sources name the build.
-    versions = [subprocess.run([c, "--version"], capture_output=True, text=True).stdout for c in compilers]
+    versions = [subprocess.run([*c, "--version"], capture_output=True, text=True).stdout for c in compilers]
     commands = _commands(*compilers, Path("WORK"), Path("OUT"))
     key = hashlib.blake2b("\n".join([*(source.read_text() for source in SOURCES), flags, *versions,
                                      *map(" ".join, commands), torch.__version__]).encode(), digest_size=12).hexdigest()
@@ -84,16 +87,29 @@ def _built_and_loaded() -> Path | None:
     return built
 
 
-def _commands(cc: str, cxx: str, work: Path, output: Path) -> list[list[str]]:
+def _compiler(variable: str, default: str) -> list[str] | None:
+    """The command $`variable` names (words: `ccache cc` too), its program found on the PATH; None where it is
+    not (with a warning where the variable named it: the user asked for that compiler)."""
+    words = shlex.split(os.environ.get(variable) or default)
+    program = shutil.which(words[0]) if words else None
+    if program is None:
+        if os.environ.get(variable):
+            warnings.warn(f"lookahead's kernels not built: {variable}={os.environ[variable]!r} names no program "
+                          "found on the PATH; steps run on torch's linears", RuntimeWarning, stacklevel=4)
+        return None
+    return [program, *words[1:]]
+
+
+def _commands(cc: list[str], cxx: list[str], work: Path, output: Path) -> list[list[str]]:
     """The compiler calls that build `output` in the folder `work`: each C kernel to an object, then the
     operators (`ops.cpp`) linked with them against torch's headers and libraries (found beside torch itself, as
     torch.utils.cpp_extension finds them)."""
     torch_dir = Path(torch.__file__).parent
     torch_lib = torch_dir / "lib"
     objects = [str(work / f"{source.stem}.o") for source in KERNEL_SOURCES]
-    commands = [[cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-c", str(source), "-o", obj]
+    commands = [[*cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-c", str(source), "-o", obj]
                 for source, obj in zip(KERNEL_SOURCES, objects)]
-    commands.append([cxx, "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
+    commands.append([*cxx, "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
                      f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                      f"-I{torch_dir / 'include'}", str(OPERATORS_SOURCE),
                      *objects, f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu",
@@ -101,7 +117,7 @@ def _commands(cc: str, cxx: str, work: Path, output: Path) -> list[list[str]]:
     return commands
 
 
-def _build(cc: str, cxx: str, built: Path) -> bool:
+def _build(cc: list[str], cxx: list[str], built: Path) -> bool:
     """Build `built` (`_commands`); False, with a warning that quotes the compiler, where a step fails. A
     process that dies mid-build leaves only its own `.partial` file, which no other process reads."""
     partial = built.with_name(f"{built.name}.{os.getpid()}.partial")
