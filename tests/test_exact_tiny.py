@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import FAMILIES, make_tiny_model, random_tree_step, reference_greedy
+from conftest import _COMMON, FAMILIES, TINY_VOCAB, make_tiny_model, peaked, random_tree_step, reference_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -66,6 +66,44 @@ def test_identical_to_greedy(tiny_model, config):
         steps = recorder.sizes[1:] if length > 1 else recorder.sizes  # a prompt of 1 token needs no prefill
         assert out.stats.steps == len(steps) and out.stats.tokens_fed == sum(steps)
         assert max(out.stats.accepted_per_step) <= config.ngram  # a step accepts at most N-1 guessed + 1
+
+
+def _more_families():
+    """Tiny models of architectures beyond FAMILIES, each with what sets it apart: partial rotary, learned
+    positions, parallel attention, QK norms, scaled logits, hybrid sliding layers. (A tiny random Gemma 2 repeats
+    one token whatever its prompt: no test of anything.)"""
+    from transformers import (Cohere2Config, Cohere2ForCausalLM, GPT2Config,
+                              GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, GraniteConfig, GraniteForCausalLM,
+                              Olmo2Config, Olmo2ForCausalLM, OPTConfig, OPTForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    plain = dict(vocab_size=TINY_VOCAB, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    sliding = dict(sliding_window=12, layer_types=["sliding_attention", "full_attention"])
+    return {
+        "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=16)),
+        "olmo2": lambda: Olmo2ForCausalLM(Olmo2Config(**_COMMON)),
+        "granite": lambda: GraniteForCausalLM(GraniteConfig(**_COMMON, attention_multiplier=0.2, logits_scaling=2.0,
+                                                            residual_multiplier=0.5, embedding_multiplier=3.0)),
+        "cohere2": lambda: Cohere2ForCausalLM(Cohere2Config(**_COMMON, **sliding)),
+        "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**plain, hidden_size=64, intermediate_size=128,
+                                                             num_hidden_layers=2, num_attention_heads=4)),
+        "opt": lambda: OPTForCausalLM(OPTConfig(**plain, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                                num_attention_heads=4, word_embed_proj_dim=64, pad_token_id=0)),
+        "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=TINY_VOCAB, n_positions=512, n_embd=64, n_layer=2,
+                                                   n_head=4, bos_token_id=1, eos_token_id=2)),
+    }
+
+
+@pytest.mark.parametrize("family", list(_more_families()))
+def test_more_families_decode_as_greedy_generate(family):
+    """Greedy output equals transformers' on architectures the other tests do not build, through a fixed step
+    (window, pool, guesses) and the automatic one."""
+    torch.manual_seed(0)
+    model = peaked(_more_families()[family](), 0.15)
+    prompt = random_prompt(20, 1).repeat(1, 2)  # repeated: the pool has n-grams to guess from
+    expected = reference_greedy(model, prompt, 40, eos_token_id=[])
+    for config in (LookaheadConfig(5, 4, 5), None):
+        out = generate(model, prompt, max_new_tokens=40, config=config, eos_token_id=[])
+        assert out.sequences.tolist() == expected.tolist(), (family, config)
 
 
 def test_lookahead_accepts_guesses_on_some_family(drafts_always):
