@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import reference_greedy, run_cli
 from test_exact_tiny import ForwardRecorder
-from transformers import (BertConfig, BertLMHeadModel, FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          T5Config, T5ForConditionalGeneration)
+from transformers import (BertConfig, BertLMHeadModel, FalconConfig, FalconForCausalLM, GPT2Config, GPT2LMHeadModel,
+                          LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration)
 
 from lookahead import Corpus, LookaheadConfig, UnsupportedModelError, generate
 from lookahead.models import ModelLoadError, load_model
@@ -102,6 +102,15 @@ def test_a_model_that_attends_to_later_tokens_is_refused():
             expected = reference_greedy(model, prompt, 8, eos_token_id=[])
             out = generate(model, prompt, max_new_tokens=8, config=LookaheadConfig(3, 3, 3), eos_token_id=[])
             assert out.sequences.tolist() == expected.tolist()
+
+
+def test_a_causal_model_left_in_training_mode_is_not_taken_for_one_that_attends_ahead():
+    """The causality probe runs without dropout: GPT-2 built from a config (training mode, dropout 0.1) is
+    accepted, and left in the mode it was in."""
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=128, n_embd=32, n_layer=1, n_head=2))
+    assert model.training
+    generate(model, [1, 2, 3], max_new_tokens=4, config=LookaheadConfig(3, 3, 3))
+    assert model.training
 
 
 def test_falcon_with_alibi_is_refused():

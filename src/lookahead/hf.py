@@ -442,9 +442,14 @@ def is_causal(model: PreTrainedModel) -> bool:
     if model not in _CAUSAL:
         if is_sharded(model):
             return True
-        with torch.inference_mode():
-            ids = torch.tensor([[0, 1], [0, 0]], device=model.device)
-            first = model(input_ids=ids, use_cache=False).logits[:, 0].float()
+        training = model.training
+        model.eval()  # dropout (a model left in training mode) would make the two rows differ anyway
+        try:
+            with torch.inference_mode():
+                ids = torch.tensor([[0, 1], [0, 0]], device=model.device)
+                first = model(input_ids=ids, use_cache=False).logits[:, 0].float()
+        finally:
+            model.train(training)
         _CAUSAL[model] = torch.allclose(first[0], first[1], rtol=1e-3, atol=1e-3 * float(first.abs().max()))
     return _CAUSAL[model]
 
