@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import openai
@@ -20,7 +21,7 @@ import torch
 from conftest import reference_greedy
 
 from lookahead.prompts import encode_messages
-from lookahead.serve import create_app, serve_in_thread
+from lookahead.serve import LOOPBACK_HOSTS, ChatRequest, CompletionRequest, create_app, hosts_to_allow, serve_in_thread
 
 pytestmark = pytest.mark.slow
 
@@ -31,17 +32,28 @@ MODEL = "smollm2"
 @pytest.fixture(scope="module")
 def server(default_model):
     model, tokenizer = default_model
-    app = create_app(model, tokenizer, model_name=MODEL, max_batch=4, max_queue=40, max_length=1024, api_keys=KEYS)
+    app = create_app(model, tokenizer, model_name=MODEL, max_batch=4, max_queue=40, max_length=1024, api_keys=KEYS,
+                     allowed_hosts=hosts_to_allow("127.0.0.1"))  # as `lookahead serve` does on 127.0.0.1
     with serve_in_thread(app) as url:
         yield url, app
 
 
-def raw(url: str, body: dict | bytes | None = None, key: str = KEYS[1]) -> tuple[int, dict]:
+@pytest.fixture(autouse=True)
+def settled_after(request):
+    """After each test on the shared server, wait until its engine has ended every request: one that a stop
+    string ended is handed back to the engine after the reply, and would count as running in the next test."""
+    yield
+    if "server" in request.fixturenames:
+        _settled(request.getfixturevalue("server")[1])
+
+
+def raw(url: str, body: dict | bytes | None = None, key: str = KEYS[1], headers: dict[str, str] | None = None
+        ) -> tuple[int, dict]:
     """An HTTP request without the openai client (which would refuse some malformed bodies itself); bytes are
-    sent as they are."""
+    sent as they are, `headers` beside (or instead of) the key and the JSON content type."""
     data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Authorization": f"Bearer {key}",
-                                                              "Content-Type": "application/json"})
+                                                              "Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -164,7 +176,7 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
     body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900}).encode()
     address = urlsplit(url)
     with socket.create_connection((address.hostname, address.port)) as connection:
-        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                            b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
                            % (KEYS[0].encode(), len(body), body))
         deadline = time.time() + 20
@@ -249,6 +261,10 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
         ("completions", {"model": MODEL, "prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}}, 400,
          "valid boolean", "stream_options.include_usage"),
         ("chat", {"model": MODEL, "messages": HI, "stop": ["a", 3]}, 400, "a string or a list of strings", "stop"),
+        ("chat", {"model": MODEL, "messages": HI, "stop": ["x"] * 17}, 400, "stop holds 17 strings; this server "
+         "takes at most 16", "stop"),
+        ("completions", {"model": MODEL, "prompt": "hi", "stop": "x" * 1001}, 400, "at most 1000 characters long, "
+         "got one of 1001", "stop"),
         ("chat", {"model": MODEL, "messages": HI, "lookahead": {"window": "5"}}, 400, "object of integers",
          "lookahead"),
         ("chat", {"model": MODEL, "messages": [{"role": 1, "content": "hi"}]}, 400, "'user'", "messages[0].role"),
@@ -264,7 +280,8 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
          "logit-bias-past-vocabulary", "logit-bias-of-5000-digits", "logit-bias-past-100", "zero-tokens-without-echo",
          "zero-chat-tokens", "chat-echo",
          "completion-logprobs", "suffix", "best-of", "completion-max-completion-tokens", "stream-a-string",
-         "temperature-a-boolean", "n-a-float", "include-usage-a-number", "stop-list-with-a-number",
+         "temperature-a-boolean", "n-a-float", "include-usage-a-number", "stop-list-with-a-number", "seventeen-stops",
+         "stop-of-1001-characters",
          "lookahead-window-a-string", "role-a-number", "unknown-role"],
 )
 def test_bad_requests_get_openai_errors_naming_the_field_and_the_server_keeps_serving(server, path, body, status,
@@ -709,6 +726,8 @@ def test_the_serve_command_starts_on_the_default_model():
             model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=4, temperature=0)
         assert reply.usage.completion_tokens == 4 and reply.choices[0].text
         assert preflight(f"http://127.0.0.1:{port}", "http://localhost:3000") == (200, "http://localhost:3000")
+        code, error = raw(f"http://127.0.0.1:{port}/health", headers={"Host": "attacker.example"})
+        assert code == 400 and "--allow-host" in error["error"]["message"]
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -743,6 +762,8 @@ def test_metrics_count_requests_tokens_and_latencies(server):
 
     before = scrape()
     reply = client(url).completions.create(model=MODEL, prompt="One, two, three,", max_tokens=10, temperature=0)
+    assert raw(f"{url}/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2})[0] == 400
+    assert raw(f"{url}/v1/models", key="wrong")[0] == 401
     after = scrape()
     made = reply.usage.completion_tokens
 
@@ -756,6 +777,8 @@ def test_metrics_count_requests_tokens_and_latencies(server):
     assert grew("lookahead_inter_token_latency_seconds_count") == made - 1
     assert grew("lookahead_tokens_per_step_count") == 1 and grew("lookahead_tokens_per_step_sum") >= 1
     assert after["lookahead_queue_depth"] == 0 and after["lookahead_running"] == 0
+    assert grew('lookahead_error_responses_total{status="400"}') == 1
+    assert grew('lookahead_error_responses_total{status="401"}') == 1
 
 
 def chromium_driver(tmp_path):
@@ -1012,11 +1035,14 @@ def test_a_completion_of_several_prompts_or_of_token_ids_has_a_choice_for_each(s
     assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
 
 
-def test_a_completion_of_more_prompts_than_the_server_holds_is_a_400(server):
+def test_a_completion_of_more_prompts_than_the_server_holds_is_a_400(server, monkeypatch):
     """More prompts than max_batch + max_queue (4 + 40) could never get in together: a 429 ("retry later")
-    would fail again however long the client waited."""
+    would fail again however long the client waited. They are counted before any is tokenized (a list of a
+    million prompts had been tokenized first)."""
     url, app = server
-    code, error = raw(f"{url}/v1/completions", {"model": MODEL, "prompt": ["Hi"] * 45, "max_tokens": 50})
+    with monkeypatch.context() as patch:
+        patch.setattr(CompletionRequest, "prompts", lambda *_: pytest.fail("tokenized before being counted"))
+        code, error = raw(f"{url}/v1/completions", {"model": MODEL, "prompt": ["Hi"] * 45, "max_tokens": 50})
     assert code == 400 and error["error"]["param"] == "prompt" and "at most 44 in one request" in error["error"]["message"]
     assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
     reply = client(url).completions.create(model=MODEL, prompt=["Hi"] * 44, max_tokens=1)
@@ -1096,7 +1122,7 @@ def test_errors_carry_openais_codes_and_unknown_routes_answer_in_its_schema(serv
 
 
 def test_without_max_tokens_a_text_completion_gets_openais_16_and_a_chat_reply_the_context(server):
-    url, app = server
+    url, _ = server
     completion = client(url).completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4, 5,", temperature=0)
     assert completion.usage.completion_tokens == 16 and completion.choices[0].finish_reason == "length"
     chat = client(url).chat.completions.create(model=MODEL, temperature=0, stream=True, messages=[
@@ -1108,7 +1134,6 @@ def test_without_max_tokens_a_text_completion_gets_openais_16_and_a_chat_reply_t
     else:
         pytest.fail("the reply ended before its 257th token")
     chat.close()
-    _settled(app)  # the request left running would count in the next test's metrics
 
 
 def test_echo_alone_and_streamed_with_logprobs(server):
@@ -1185,3 +1210,139 @@ def test_a_page_of_an_allowed_origin_may_call_the_api_from_a_browser(default_mod
             assert response.headers["Access-Control-Allow-Origin"] == page and json.loads(response.read())["data"]
     assert preflight(server[0], page)[1] is None
 
+
+
+def test_bodies_that_are_not_json_text_get_a_4xx_and_the_server_keeps_serving(server):
+    """A body a browser could post to any site unasked (text/plain, a form) is 415: a page of another site cannot
+    make a server on this machine generate. Past 16 MiB (declared or streamed) it is 413; JSON nested past
+    Python's recursion limit or holding half a character (an unpaired surrogate escape) is 400. Each had been
+    accepted or had been a 500."""
+    import http.client
+
+    url, _ = server
+    chat = f"{url}/v1/chat/completions"
+    body = json.dumps({"model": MODEL, "messages": HI, "max_tokens": 2, "temperature": 0}).encode()
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        code, error = raw(chat, body, headers={"Content-Type": kind})
+        assert code == 415 and "Content-Type: application/json" in error["error"]["message"], kind
+    assert raw(chat, body, headers={"Content-Type": "application/json; charset=utf-8"})[0] == 200
+    deep = b'{"model": "smollm2", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    code, error = raw(chat, deep)
+    assert code == 400 and "nests too deeply" in error["error"]["message"]
+    for request in ({"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}]},
+                    {"model": MODEL, "prompt": ["fine", "\udc00"]}):
+        path = "chat/completions" if "messages" in request else "completions"
+        code, error = raw(f"{url}/v1/{path}", json.dumps(request).encode())  # json.dumps escapes it: \ud800
+        assert code == 400 and "unpaired surrogate" in error["error"]["message"], request
+    emoji = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\U0001f600?"}], "max_tokens": 1})
+    assert "\\ud83d\\ude00" in emoji and raw(chat, emoji.encode())[0] == 200  # a pair of escapes is one character
+
+    def too_large(send: Callable[[http.client.HTTPConnection], None]) -> None:
+        connection = http.client.HTTPConnection(urlsplit(url).netloc, timeout=60)
+        connection.putrequest("POST", "/v1/chat/completions")
+        for name, value in {"Authorization": f"Bearer {KEYS[0]}", "Content-Type": "application/json"}.items():
+            connection.putheader(name, value)
+        send(connection)
+        response = connection.getresponse()
+        assert response.status == 413 and "16777216 bytes" in json.loads(response.read())["error"]["message"]
+        connection.close()
+
+    def declared(connection: http.client.HTTPConnection) -> None:  # answered before any of the body is read
+        connection.putheader("Content-Length", str(2**24 + 1))
+        connection.endheaders()
+
+    def chunked(connection: http.client.HTTPConnection) -> None:  # no length said: counted as it comes
+        connection.putheader("Transfer-Encoding", "chunked")
+        connection.endheaders()
+        for chunk in [b" " * 2**20] * 16 + [body]:
+            connection.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        connection.send(b"0\r\n\r\n")
+
+    too_large(declared)
+    too_large(chunked)
+    assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
+
+
+def test_prompts_are_tokenized_beside_the_event_loop(server, monkeypatch):
+    """While a long prompt is tokenized (or a chat template renders), the server answers other requests and
+    streams other replies: the tokenizer runs on a thread of its own."""
+    url, _ = server
+    entered, release = threading.Event(), threading.Event()
+    tokenize = ChatRequest.prompts
+
+    def slow(self, *args):
+        entered.set()
+        release.wait(30)
+        return tokenize(self, *args)
+
+    monkeypatch.setattr(ChatRequest, "prompts", slow)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(raw, f"{url}/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 2})
+        assert entered.wait(30)
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=10) as response:  # had waited for the tokenizer
+                assert response.status == 200
+        finally:
+            release.set()
+        assert pending.result()[0] == 200
+
+
+def test_a_server_on_the_loopback_address_answers_its_loopback_names_alone(server):
+    """DNS rebinding: a site's page whose name has been pointed at 127.0.0.1 addresses its requests to that
+    name; the server refuses them, and answers localhost, 127.0.0.1 and [::1] on any port."""
+    url, _ = server
+    port = urlsplit(url).port
+    for host in ("attacker.example", f"attacker.example:{port}", "localhost.attacker.example", ""):
+        code, error = raw(f"{url}/v1/models", headers={"Host": host})
+        assert code == 400 and "--allow-host" in error["error"]["message"], host
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST"):
+        assert raw(f"{url}/v1/models", headers={"Host": host})[0] == 200, host
+    assert hosts_to_allow("127.0.0.1") == hosts_to_allow("::1") == hosts_to_allow("localhost") == LOOPBACK_HOSTS
+    assert hosts_to_allow("127.0.0.1", ["api.example.com"]) == (*LOOPBACK_HOSTS, "api.example.com")
+    assert hosts_to_allow("127.0.0.1", ["*"]) == hosts_to_allow("0.0.0.0") == hosts_to_allow("myhost") == ()
+    assert hosts_to_allow("0.0.0.0", ["api.example.com"]) == ("api.example.com",)
+
+
+def test_the_page_sends_once_keeps_a_conversation_within_the_context_and_starts_anew(server, default_model, tmp_path):
+    """Enter while a reply streams does not send the question again (the typed text waits in the box); a
+    conversation grown past the server's context leaves out its oldest exchanges, saying so; New chat forgets
+    it. The page runs under its Content-Security-Policy (a wrong hash would stop its script)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, _ = server
+    question = "Name three colours of the rainbow."
+    expected = greedy_text(default_model, question, 256)
+    with urllib.request.urlopen(f"{url}/", timeout=10) as response:
+        policy = response.headers["Content-Security-Policy"]
+    assert "script-src 'sha256-" in policy and "frame-ancestors 'none'" in policy
+    browser = chromium_driver(tmp_path)
+    try:
+        browser.get(f"{url}/")
+        wait = WebDriverWait(browser, 60)
+        text = lambda element_id: browser.find_element(By.ID, element_id).get_attribute("textContent")  # noqa: E731
+        turns = lambda kind: [t.get_attribute("textContent")  # noqa: E731
+                              for t in browser.find_elements(By.CSS_SELECTOR, f".turn.{kind}")]
+        key = browser.find_element(By.ID, "key")
+        key.send_keys(KEYS[0], Keys.TAB)
+        wait.until(lambda _: text("model") == MODEL)
+        box = browser.find_element(By.ID, "prompt")
+        box.send_keys(question, Keys.ENTER)
+        box.send_keys("later", Keys.ENTER)  # while the reply streams
+        wait.until(lambda _: text("state") in ("done", "failed"))
+        assert turns("user") == [question] and turns("assistant") == [expected]
+        assert box.get_attribute("value") == "later"
+        # An earlier exchange longer than the server's 1024 positions: sent whole, no question would fit.
+        browser.execute_script("history.push({role: 'user', content: 'Repeat.'}, "
+                               "{role: 'assistant', content: 'one two three '.repeat(400)})")
+        box.clear()
+        box.send_keys(question, Keys.ENTER)
+        wait.until(lambda _: text("state") in ("done", "failed"))
+        assert text("state") == "done" and turns("assistant") == [expected, expected]
+        assert turns("note") == ["2 earlier exchange(s) left out: the conversation outgrew the context"]
+        browser.find_element(By.ID, "new").click()
+        assert turns("user") == turns("assistant") == [] and browser.execute_script("return history.length") == 0
+        assert text("tokens") == "0" and text("state") == "idle"
+    finally:
+        browser.quit()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lookahead.serve import _Reply
+from lookahead.serve import _Reply, _stop_started
 
 
 class _Pieces:
@@ -192,3 +192,11 @@ def test_a_tokenizer_that_cleans_up_spaces_streams_one_text_and_cuts_at_its_stop
     assert "".join(reply.add([token], finished=i == len(ids) - 1) for i, token in enumerate(ids)) == "world . It is"
     reply = _Reply(tokenizer, [" ."])
     assert "".join(reply.add([token]) for token in ids) == "world" and reply.stopped
+
+
+@given(st.text("ab ", max_size=14), st.lists(st.text("ab ", min_size=1, max_size=7), max_size=4))
+def test_the_tail_held_back_is_the_longest_end_of_the_text_that_a_stop_string_starts_with(text, stops):
+    """What `_stop_started` finds by searching for each stop string's first character, as the definition
+    says it: the longest k < len(stop) with text ending in stop[:k], over every stop."""
+    defined = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+    assert _stop_started(text, stops) == defined

@@ -733,6 +733,7 @@ def serve_command(
     api_key: Annotated[Optional[list[str]], typer.Option("--api-key", help="Accepted key (Authorization: Bearer KEY); repeat for several. Default: none needed.")] = None,
     corpus_mb: Annotated[float, typer.Option(min=0, help="Memory cap (MB) of each API key's corpus: its earlier requests' text, which the suffix and recycle sources draft from. 0: no corpus.")] = 64,
     allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web origin whose pages may call the API from a browser (CORS), e.g. http://localhost:3000, or * for any; repeat for several. Default: none.")] = None,
+    allow_host: Annotated[Optional[list[str]], typer.Option("--allow-host", help="A name requests may be addressed to (their Host header) beside the loopback names a server on 127.0.0.1 answers, e.g. the name a reverse proxy forwards; * for any; repeat for several. On another --host: the only names answered (default: any).")] = None,
     threads: ThreadsOption = None,
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decoding steps (their few shapes compile before the server starts serving).")] = False,
     cpp_wrapper: CppWrapperOption = False,
@@ -740,14 +741,15 @@ def serve_command(
     """An OpenAI-compatible server (chat and text completions, streaming) on the lookahead engine."""
     import uvicorn
 
-    from .serve import create_app
+    from .serve import create_app, hosts_to_allow
 
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     name = model or DEFAULT_MODEL_NAME
     try:
         server_app = create_app(lm, tokenizer, model_name=name, max_batch=max_batch, max_queue=max_queue,
                                 max_length=max_length, api_keys=tuple(api_key or ()), corpus_megabytes=corpus_mb,
-                                compile=_compile_mode(compile, cpp_wrapper), allow_origins=tuple(allow_origin or ()))
+                                compile=_compile_mode(compile, cpp_wrapper), allow_origins=tuple(allow_origin or ()),
+                                allowed_hosts=hosts_to_allow(host, allow_host or ()))
     except (ValueError, MemoryError) as error:
         _fail(str(error))
     uvicorn.run(server_app, host=host, port=port, log_level="warning")

@@ -9,10 +9,16 @@ aborts its request, which frees its slot at the next step.
 from __future__ import annotations
 
 import asyncio
+import base64
 import codecs
+import concurrent.futures
 import contextlib
 import functools
+import hashlib
+import hmac
+import ipaddress
 import json
+import re
 import threading
 import time
 import traceback
@@ -44,6 +50,21 @@ from .prompts import encode_messages, has_chat_template
 
 # The page at `/`: a chat box streaming from /v1/chat/completions, with tokens/s and tokens/step live.
 CHAT_PAGE = (resources.files(__package__) / "web" / "chat.html").read_text(encoding="utf-8")
+
+
+def _inline_hash(page: str, tag: str) -> str:
+    """A page's inline <tag> element as a Content-Security-Policy source: the hash of its text."""
+    text = page[page.index(f"<{tag}>") + len(tag) + 2:page.index(f"</{tag}>")]
+    return f"'sha256-{base64.b64encode(hashlib.sha256(text.encode()).digest()).decode()}'"
+
+
+# The page runs its own script and style and calls this server alone; no other site may frame it (a click
+# on a hidden frame of it would send what another page chose).
+PAGE_HEADERS = {
+    "Content-Security-Policy": f"default-src 'none'; connect-src 'self'; script-src {_inline_hash(CHAT_PAGE, 'script')}; "
+                               f"style-src {_inline_hash(CHAT_PAGE, 'style')}; frame-ancestors 'none'; "
+                               "base-uri 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
 # A text completion's reply is this long at most when the client sets no max_tokens, as in OpenAI's API (a chat
 # reply, as there, may take what is left of the context).
 DEFAULT_COMPLETION_TOKENS = 16
@@ -52,6 +73,11 @@ RETRY_AFTER_SECONDS = 1
 # How often a non-streaming request checks that its client is still there.
 DISCONNECT_POLL_SECONDS = 0.25
 INT64 = (-(2**63), 2**63 - 1)  # a seed's range
+# A request body's size at most: a full context of token ids for each prompt the server can hold is far less.
+MAX_BODY_BYTES = 16 * 2**20
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# Stop strings a request may give, and their length: each is searched for at every step (OpenAI takes 4).
+MAX_STOPS, MAX_STOP_CHARACTERS = 16, 1000
 T = TypeVar("T")
 
 
@@ -145,6 +171,17 @@ class _Common(_Body):
                 allowed = f" or set it to {json.dumps(harmless[0])}" if harmless else ""
                 raise APIError(400, f"{name} is not supported by this server: leave it out{allowed}", name)
 
+    def stop_strings(self) -> list[str]:
+        """The stop strings given; 400 for more than MAX_STOPS of them or one past MAX_STOP_CHARACTERS."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOPS:
+            raise APIError(400, f"stop holds {len(stops)} strings; this server takes at most {MAX_STOPS}", "stop")
+        longest = max(stops, key=len, default="")
+        if len(longest) > MAX_STOP_CHARACTERS:
+            raise APIError(400, f"a stop string may be at most {MAX_STOP_CHARACTERS} characters long, got one of "
+                                f"{len(longest)}", "stop")
+        return stops
+
     def token_limit(self) -> tuple[str, int | None]:
         """The client's cap on new tokens (None: none given) and the field it came in."""
         return "max_tokens", self.max_tokens
@@ -156,6 +193,10 @@ class _Common(_Body):
     def logprobs_asked(self) -> int | None:
         """None: no log-probabilities; k: each token's, with the k likeliest tokens at its position."""
         raise NotImplementedError
+
+    def prompt_count(self) -> int:
+        """How many prompts the request holds (a choice for each), known before any is tokenized."""
+        return 1
 
 
 class ChatRequest(_Common):
@@ -212,11 +253,17 @@ class CompletionRequest(_Common):
                                 "max_tokens", "max_completion_tokens")
         super().refuse_unsupported()
 
+    def _given(self) -> list[str] | list[list[int]]:
+        return [self.prompt] if isinstance(self.prompt, str) or (
+            self.prompt and isinstance(self.prompt[0], int)) else self.prompt
+
+    def prompt_count(self) -> int:
+        return len(self._given())
+
     def prompts(self, tokenizer: PreTrainedTokenizerBase, vocabulary: int) -> list[tuple[torch.Tensor, str]]:
         """Each prompt's token ids and text (token ids given: their decoded text); 400 for none or for a token
         id outside the vocabulary."""
-        given = [self.prompt] if isinstance(self.prompt, str) or (
-            self.prompt and isinstance(self.prompt[0], int)) else self.prompt
+        given = self._given()
         if not given:
             raise APIError(400, "prompt must not be empty", "prompt")
         prompts = []
@@ -264,12 +311,43 @@ def _field_path(location: tuple[int | str, ...]) -> str:
     return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in location).lstrip(".")
 
 
-async def _parse(request: Request, schema: type[RequestBody]) -> RequestBody:
-    """The request's JSON body as `schema`; 400 naming the first field at fault."""
+async def _json_body(request: Request) -> Any:
+    """The request's body parsed as JSON: 415 unless it is sent as JSON (a browser posts other types to any
+    site without asking it first), 413 past MAX_BODY_BYTES, 400 for what is not JSON text."""
+    kind = request.headers.get("content-type", "")
+    media = kind.partition(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"the request body must be sent as JSON (Content-Type: application/json), got "
+                            f"{kind or 'no Content-Type'}")
+    declared = request.headers.get("content-length", "")
+    too_large = APIError(413, f"the request body exceeds this server's limit of {MAX_BODY_BYTES} bytes")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
-        data = json.loads(await request.body())
+        data = json.loads(raw)
     except ValueError as error:  # bad JSON or bad UTF-8
         raise APIError(400, f"the request body is not valid JSON: {error}") from error
+    except RecursionError as error:
+        raise APIError(400, "the request body is not valid JSON: it nests too deeply") from error
+    if _SURROGATE_ESCAPE.search(raw):  # JSON may escape half a character (\ud800) that no text holds alone
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError as error:
+            raise APIError(400, "the request body is not valid JSON text: it holds an unpaired surrogate "
+                                f"({error.object[error.start:error.end]!a}), half of a character") from error
+    return data
+
+
+async def _parse(request: Request, schema: type[RequestBody]) -> RequestBody:
+    """The request's JSON body as `schema`; 400 naming the first field at fault."""
+    data = await _json_body(request)
     try:
         return schema.model_validate(data)
     except ValidationError as error:
@@ -308,6 +386,8 @@ class Metrics:
         self.prompt_tokens = Counter("lookahead_prompt_tokens", "Prompt tokens of accepted requests",
                                      registry=self.registry)
         self.tokens = Counter("lookahead_generated_tokens", "Tokens generated", registry=self.registry)
+        self.errors = Counter("lookahead_error_responses", "Requests answered with an error status", ["status"],
+                              registry=self.registry)
         self.tokens_per_step = Histogram("lookahead_tokens_per_step", "A finished request's tokens per step",
                                          buckets=(1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0),
                                          registry=self.registry)
@@ -505,13 +585,14 @@ def _lookahead_config(value: str | dict[str, int]) -> LookaheadConfig:
 def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_name: str = "lookahead",
                max_batch: int = 8, max_queue: int = 64, max_length: int | None = None,
                api_keys: tuple[str, ...] = (), corpus_megabytes: float = 64, compile: bool | str = False,
-               allow_origins: tuple[str, ...] = ()) -> FastAPI:
+               allow_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
     """The app: OpenAI's chat and text completions, models, health. Requests decode on one engine of
     `max_batch` slots; beyond `max_queue` waiting requests, new ones get 429. With `api_keys`, every
     request must carry one (`Authorization: Bearer KEY`); each key has a corpus of its own (the suffix
     and recycle sources draft from earlier requests of the same key, never of another one), of at most
     `corpus_megabytes` (0: none). allow_origins: the web origins whose pages may call the API from a browser
-    (CORS; "*" for any), none by default. compile: as in `generate`;
+    (CORS; "*" for any), none by default. allowed_hosts: the names a request may be addressed to (its Host
+    header; `hosts_to_allow` gives those of a server on this machine), any by default. compile: as in `generate`;
     the step shapes compile before the app is returned (`Engine.warm_up`: minutes on a small CPU)."""
     for key in api_keys:  # a blank key would let requests without one in; a padded one could never match
         if not isinstance(key, str) or not key or key != key.strip() or " " in key:
@@ -530,15 +611,20 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     # As many requests in scoring as the engine holds: the prompts of one request never turn each other away.
     score_prompt = _PromptScorer(model, max_batch + max_queue - 1, functools.partial(_server_full, max_batch, max_queue))
     corpora: dict[str | None, Corpus] = {}
+    tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookahead-tokenizer")
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         runner.stop()
+        tokenizing.shutdown(wait=False)
 
     app = FastAPI(title="lookahead", lifespan=lifespan)
     if allow_origins:  # browsers send a preflight first: it must pass without an API key
         app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"])
+    if allowed_hosts:  # added last: it sees every request first
+        app.add_middleware(_HostCheck, hosts=allowed_hosts)
     metrics = Metrics(runner)
     app.state.engine_loop = runner
     app.state.prompt_scorer = score_prompt
@@ -546,15 +632,18 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
+        metrics.errors.labels(str(error.status)).inc()
         return error.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:  # an unknown route or method
+        metrics.errors.labels(str(error.status_code)).inc()
         return APIError(error.status_code, str(error.detail)).response()
 
     @app.exception_handler(Exception)
     async def server_error(_: Request, error: Exception) -> JSONResponse:  # a fault of ours: said as OpenAI says it
         traceback.print_exception(error)
+        metrics.errors.labels("500").inc()
         failure = APIError(500, f"the server failed on this request ({type(error).__name__}: {error})",
                            kind="server_error")
         return JSONResponse(failure.body(), status_code=500)
@@ -563,10 +652,13 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         if not api_keys:
             return None
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or given.strip() not in api_keys:
+        given = given.strip()
+        # Compared in a time that does not tell how much of a key a guess got right.
+        matches = [hmac.compare_digest(given.encode(), key.encode()) for key in api_keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError(401, "invalid API key: pass one of the server's --api-key values as a Bearer token",
                            kind="authentication_error")
-        return given.strip()
+        return given
 
     def served(model_id: str) -> None:
         if model_id != model_name:
@@ -581,6 +673,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
         body.refuse_unsupported()
+        body.stop_strings()
 
     def new_tokens(body: RequestBody, prompt: torch.Tensor) -> int:
         """The most tokens to generate: the client's max_tokens if prompt + it fits the engine's max_length;
@@ -620,7 +713,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     async def run(request: Request, body: RequestBody, prompt: torch.Tensor, params: RequestParams, chat: bool,
                   text: str = ""):
         """One prompt's reply (`text`: its text, which `echo` repeats)."""
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        stops = body.stop_strings()
         started = time.time()
         arrived = time.perf_counter()
         echoed = text if body.echoes() else ""
@@ -717,6 +810,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                         event["lookahead"] = {"tokens": reply.tokens, "steps": steps}
                         yield f"data: {json.dumps(event)}\n\n"
                 except APIError as error:  # the status is sent already: an error event ends the stream, no finish
+                    metrics.errors.labels(str(error.status)).inc()
                     yield f"data: {json.dumps(error.body())}\n\n"
                     return
                 yield f"data: {json.dumps(chunk(None, reply.finish_reason))}\n\n"
@@ -742,11 +836,15 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         body = await _parse(request, schema)
         refuse(body)
         chat = schema is ChatRequest
-        prompts = [(ids, text, params_of(body, key, ids))  # every prompt checked before any is decoded
-                   for ids, text in body.prompts(tokenizer, vocabulary_size(model))]
-        if len(prompts) > max_batch + max_queue:  # a 429 would never pass: they could not all get in at once
-            raise APIError(400, f"prompt holds {len(prompts)} prompts; this server takes at most {max_batch + max_queue}"
+        count = body.prompt_count()
+        if count > max_batch + max_queue:  # a 429 would never pass: they could not all get in at once
+            raise APIError(400, f"prompt holds {count} prompts; this server takes at most {max_batch + max_queue}"
                                 " in one request (--max-batch + --max-queue)", "prompt")
+        # Tokenizing a long prompt takes a while: on a thread of its own, the event loop streams other replies
+        # meanwhile (one thread: a tokenizer is not made to be called from several at once).
+        encoded = await asyncio.get_running_loop().run_in_executor(
+            tokenizing, body.prompts, tokenizer, vocabulary_size(model))
+        prompts = [(ids, text, params_of(body, key, ids)) for ids, text in encoded]  # all checked before any decodes
         if len(prompts) == 1:
             return await run(request, body, *prompts[0][::2], chat=chat, text=prompts[0][1])
         if body.stream:
@@ -776,7 +874,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
-        return CHAT_PAGE
+        return HTMLResponse(CHAT_PAGE, headers=PAGE_HEADERS)
 
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "lookahead"}
 
@@ -803,6 +901,50 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
 
     _document_bodies(app, (ChatRequest, CompletionRequest))
     return app
+
+
+# What a browser on this machine calls a server on it.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def hosts_to_allow(bind: str, extra: Iterable[str] = ()) -> tuple[str, ...]:
+    """The Host names a server listening on `bind` answers (empty: any), `extra` beside them ("*": any). One
+    on the loopback address answers its loopback names alone: a web page of another site whose name it has
+    pointed at 127.0.0.1 (DNS rebinding) would otherwise read the server's replies as a page of its own."""
+    extra = tuple(extra)
+    if "*" in extra:
+        return ()
+    try:
+        loopback = bind == "localhost" or ipaddress.ip_address(bind).is_loopback
+    except ValueError:  # a name other than localhost
+        loopback = False
+    return LOOPBACK_HOSTS + extra if loopback else extra
+
+
+def _host_name(host: str) -> str:
+    """A Host header's (or an allowed host's) name, without its port: [::1]:8000 -> ::1."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+class _HostCheck:
+    """Answers 400 to a request addressed to a Host outside `hosts` (a plain ASGI middleware: one built on
+    Starlette's BaseHTTPMiddleware would hide a streaming client's disconnection)."""
+
+    def __init__(self, app: Callable, hosts: tuple[str, ...]) -> None:
+        self.app, self.hosts = app, {_host_name(host) for host in hosts}
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            if _host_name(host) not in self.hosts:
+                refusal = APIError(400, f"this server answers requests addressed to {', '.join(sorted(self.hosts))}, "
+                                        f"not to {host!r}; start it with --allow-host NAME to answer that name too")
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _request_body(schema: type[RequestBody]) -> dict[str, Any]:
@@ -899,8 +1041,7 @@ class _Reply:
         if self.stopped:  # as if the tokens had come one at a time: cut where the first to complete does
             text = self._cut(self._through_stop)
         elif not finished:
-            started = max((k for stop in self.stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
-            text = text[:len(text) - started]
+            text = text[:len(text) - _stop_started(text, self.stops)]
         piece, self.sent = text[len(self.sent):], text
         return piece
 
@@ -922,6 +1063,21 @@ class _Reply:
         text = self._decode(self.ids[:count])
         found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
         return text[:min(found)] if found else None
+
+
+def _stop_started(text: str, stops: list[str]) -> int:
+    """The length of the longest end of `text` that a stop string starts with (and is longer than): that end
+    may yet become a stop string, so it is held back."""
+    longest = 0
+    for stop in stops:
+        tail = text[max(0, len(text) - len(stop) + 1):] if len(stop) > 1 else ""
+        at = tail.find(stop[:1])  # only where the stop string's first character is may it have started
+        while at >= 0 and len(tail) - at > longest:
+            if stop.startswith(tail[at:]):
+                longest = len(tail) - at
+                break
+            at = tail.find(stop[:1], at + 1)
+    return longest
 
 
 class _Logprobs:
