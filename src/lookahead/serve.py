@@ -623,9 +623,9 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     if allow_origins:  # browsers send a preflight first: it must pass without an API key
         app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"])
-    if allowed_hosts:  # added last: it sees every request first
-        app.add_middleware(_HostCheck, hosts=allowed_hosts)
     metrics = Metrics(runner)
+    if allowed_hosts:  # added last: it sees every request first
+        app.add_middleware(_HostCheck, hosts=allowed_hosts, refused=metrics.errors.labels("400").inc)
     app.state.engine_loop = runner
     app.state.prompt_scorer = score_prompt
     app.state.corpora = corpora
@@ -933,8 +933,8 @@ class _HostCheck:
     """Answers 400 to a request addressed to a Host outside `hosts` (a plain ASGI middleware: one built on
     Starlette's BaseHTTPMiddleware would hide a streaming client's disconnection)."""
 
-    def __init__(self, app: Callable, hosts: tuple[str, ...]) -> None:
-        self.app, self.hosts = app, {_host_name(host) for host in hosts}
+    def __init__(self, app: Callable, hosts: tuple[str, ...], refused: Callable[[], None]) -> None:
+        self.app, self.hosts, self.refused = app, {_host_name(host) for host in hosts}, refused
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":
@@ -942,6 +942,7 @@ class _HostCheck:
             if _host_name(host) not in self.hosts:
                 refusal = APIError(400, f"this server answers requests addressed to {', '.join(sorted(self.hosts))}, "
                                         f"not to {host!r}; start it with --allow-host NAME to answer that name too")
+                self.refused()
                 await refusal.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
