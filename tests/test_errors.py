@@ -11,6 +11,7 @@ from transformers import (BertConfig, BertLMHeadModel, FalconConfig, FalconForCa
                           LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration)
 
 from lookahead import Corpus, LookaheadConfig, UnsupportedModelError, generate
+from lookahead.hf import is_causal
 from lookahead.models import ModelLoadError, load_model
 
 
@@ -196,19 +197,25 @@ def _corpus_beyond_the_vocabulary() -> Corpus:
          ValueError, "attention_mask leaves row 0 without a token"),
         ({"no_such_option": 1}, TypeError, "neither its arguments nor generation config fields: no_such_option"),
         ({"generation_config": {"top_k": 3}}, TypeError, "generation_config must be a transformers GenerationConfig"),
-        ({"num_beams": 4}, ValueError, r"num_beams=4 \(generation config\) asks for a search"),
+        ({"num_beams": 4}, ValueError, r"num_beams=4 asks for a search"),
+        ({"force_words_ids": [[9]]}, ValueError, r"force_words_ids=\[\[9\]\] asks for a search .* leave it at None"),
+        ({"do_sample": True, "num_return_sequences": 2}, ValueError,
+         "num_return_sequences=2 asks for a search .* several times in a list of prompts"),
+        ({"assistant_model": object()}, TypeError, "assistant_model: assisted decoding is not what lookahead does"),
         ({"output_logits": "yes"}, ValueError, "output_logits must be a bool, got 'yes'"),
         ({"output_attentions": True}, ValueError, "output_attentions=True: lookahead's generate returns scores"),
     ],
     ids=["temperature", "top-p", "eos-float", "eos-string", "eos-negative", "pad", "corpus-type",
          "corpus-vocabulary", "no-prompt", "text-prompt", "proposer", "empty-row", "unknown-option",
-         "generation-config-type", "beam-search", "output-logits-type", "attentions"],
+         "generation-config-type", "beam-search", "forced-words", "sampled-sequences", "assistant-model",
+         "output-logits-type", "attentions"],
 )
 def test_bad_options_are_refused_before_any_work(llama_tiny, tmp_path, monkeypatch, kwargs, error, message):
     """Even where nothing is measured yet (an empty cost-curve cache: the engine would first time the model),
     a bad option is reported before any forward pass."""
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
     call = {"input_ids": [5, 6, 7], **kwargs}
+    is_causal(llama_tiny)  # the model's own check, one forward per model: first in a process that ran no other test
     with ForwardRecorder(llama_tiny) as recorder, pytest.raises(error, match=message):
         generate(llama_tiny, call.pop("input_ids"), max_new_tokens=4, **call)
     assert recorder.sizes == []

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 from conftest import make_tiny_model, reference_greedy
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 
 from lookahead import LookaheadConfig, generate
 
@@ -469,9 +469,25 @@ def test_options_that_are_no_generation_config_field_or_ask_for_another_search_a
         generate(model, PROMPT, max_new_tokens=2, no_such_option=1)
     with pytest.raises(TypeError, match="generation_config must be a transformers GenerationConfig or None, got dict"):
         generate(model, PROMPT, max_new_tokens=2, generation_config={"max_new_tokens": 2})
-    with pytest.raises(ValueError, match=r"num_beams=4 \(generation config\) asks for a search lookahead does not "
-                                         r"decode with; leave it at 1"):
+    with pytest.raises(ValueError, match=r"num_beams=4 asks for a search lookahead does not decode with; leave it at 1"):
         generate(model, PROMPT, max_new_tokens=2, num_beams=4)
+    with pytest.raises(ValueError, match=r"num_beams=4 \(generation config\) asks for a search"):
+        generate(model, PROMPT, max_new_tokens=2, generation_config=GenerationConfig(num_beams=4))
+    # Constrained beam search and other drafting had been ignored without a word: the output was plain greedy.
+    for option in ({"force_words_ids": [[99]]}, {"constraints": [object()]}, {"prompt_lookup_num_tokens": 10},
+                   {"use_mtp": True}, {"assistant_early_exit": 2}):
+        with pytest.raises(ValueError, match=f"{next(iter(option))}=.* asks for a search"):
+            generate(model, PROMPT, max_new_tokens=2, **option)
+
+
+def test_integer_lengths_and_pad_ids_may_come_as_numpy_or_0_d_tensors():
+    """As the stop token ids may: `max_new_tokens=np.int64(4)` from a config array had been refused."""
+    import numpy as np
+
+    model = make_tiny_model("llama")
+    expected = generate(model, PROMPT, max_new_tokens=4, pad_token_id=0).sequences
+    for new, pad in ((np.int64(4), np.int32(0)), (torch.tensor(4), torch.tensor(0))):
+        assert torch.equal(generate(model, PROMPT, max_new_tokens=new, pad_token_id=pad).sequences, expected)
 
 
 def test_scores_of_a_list_of_prompts_have_a_row_per_new_position():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -19,7 +20,7 @@ from .core.suffix import Corpus
 from .engine import (Engine, GenerationStats, RequestParams, as_token_tensor, check_params, check_request, eos_ids,
                      StoppingCriterion, pad_id, stop_token_list)
 from .hf import check_model
-from .sampling import merged_by_type, with_model_defaults
+from .sampling import UNSUPPORTED_CONFIG, merged_by_type, with_model_defaults
 
 
 @dataclass
@@ -133,7 +134,7 @@ def generate(
                            output_scores, output_logits, None if settings is model.generation_config else settings,
                            prefix_allowed_tokens_fn)
     check_params(model, params)
-    pad = pad_id(model, eos_token_id, settings) if pad_token_id is None else pad_token_id
+    pad = pad_id(model, eos_token_id, settings) if pad_token_id is None else _integer(pad_token_id)
     if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
         given = "pad_token_id" if pad_token_id is not None else "the model's pad token (generation config)"
         raise ValueError(f"{given} must be a token id (an integer >= 0) or None, got {pad!r}")
@@ -224,6 +225,13 @@ def _generation_config(model: PreTrainedModel, given: GenerationConfig | None, o
                         f"{type(given).__name__}")
     if given is None and not options:
         return model.generation_config
+    if "assistant_model" in options:
+        raise TypeError("assistant_model: assisted decoding is not what lookahead does; it drafts without a draft "
+                        "model (leave assistant_model out)")
+    for name, plain in UNSUPPORTED_CONFIG.items():  # before the config is built: its own checks would say less
+        if options.get(name) is not None and options[name] != plain:
+            raise ValueError(f"{name}={options[name]!r} asks for a search lookahead does not decode with; leave it "
+                             f"at {plain!r}{_INSTEAD.get(name, '')}")
     config = with_model_defaults(model, given if given is not None else GenerationConfig())
     unknown = config.update(**options)
     if unknown:
@@ -313,7 +321,7 @@ def _new_tokens(config: GenerationConfig, max_new_tokens: int | None, width: int
     max_new_tokens, else its max_length less the input's `width` (positions, padding included); else
     DEFAULT_NEW_TOKENS."""
     if max_new_tokens is not None:
-        return max_new_tokens
+        return _integer(max_new_tokens)
     if getattr(config, "max_new_tokens", None) is not None:
         return config.max_new_tokens
     length = getattr(config, "max_length", None)
@@ -323,6 +331,23 @@ def _new_tokens(config: GenerationConfig, max_new_tokens: int | None, width: int
         raise ValueError(f"max_new_tokens is unset and the generation config sets max_length={length!r}, "
                          f"which leaves no room after the input's {width} positions: pass max_new_tokens")
     return length - width
+
+
+# What to do instead of an option refused above, where there is something.
+_INSTEAD = {"num_return_sequences": " (for several samples of a prompt, pass it several times in a list of prompts "
+                                    "with do_sample=True: each row draws its own)",
+            "prompt_lookup_num_tokens": " (lookahead's suffix source drafts from the prompt already)"}
+
+
+def _integer(value: object) -> object:
+    """An integer given as numpy's or as a 0-d tensor, as a Python int (as stop token ids are taken); any other
+    value as it is, for the checks to refuse by name."""
+    if isinstance(value, bool) or isinstance(value, int):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def _check_callers_objects(streamer, logits_processor, packed_linear) -> None:

@@ -43,10 +43,12 @@ from .core.verify import ChooseRule, gumbel_noise, sample_choice
 
 # What `generate` uses when neither the call nor the model's generation config sets a value.
 GENERATE_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
-# Generation-config options that take `generate` away from greedy search or sampling, with the value that
-# leaves them off.
+# Generation-config options that take `generate` away from greedy search or sampling (or ask for drafting of
+# another kind), with the value that leaves them off.
 UNSUPPORTED_CONFIG = {"num_beams": 1, "penalty_alpha": None, "dola_layers": None, "guidance_scale": 1,
-                      "watermarking_config": None, "num_return_sequences": 1}
+                      "watermarking_config": None, "num_return_sequences": 1, "force_words_ids": None,
+                      "constraints": None, "prompt_lookup_num_tokens": None, "assistant_early_exit": None,
+                      "use_mtp": None}
 
 
 @dataclass(frozen=True)
