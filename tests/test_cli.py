@@ -158,3 +158,15 @@ def test_bad_sampling_options_exit_with_a_clear_message(args, message):
     result = run_cli("generate", "hello", *args)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_the_version_is_the_installed_distributions():
+    import tomllib
+    from pathlib import Path
+
+    import lookahead
+
+    result = run_cli("--version")
+    declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    assert result.returncode == 0 and result.stdout.strip() == f"lookahead {declared}"
+    assert lookahead.__version__ == declared

@@ -241,8 +241,19 @@ def generate_command(
     print(summary + "]")
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from . import __version__
+
+        print(f"lookahead {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the installed version and exit.")] = False,
+) -> None:
     """Lookahead decoding for Hugging Face causal LMs."""
 
 
