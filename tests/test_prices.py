@@ -195,3 +195,34 @@ def test_a_budgeted_request_beside_one_of_a_fixed_config_keeps_drafting(llama_ti
                 stats[output.request_id] = output.stats
     assert outputs[budgeted] == outputs[fixed] == expected[20:]
     assert stats[budgeted].undrafted_steps == 0 and stats[budgeted].tokens_per_step > 2.5
+
+
+def test_one_row_times_are_a_running_mean_with_a_slow_step_counted_at_one_and_a_half_usual_ones():
+    prices = StepPrices(linear_curve(0.1))
+    prices.record(1, 1, 2.0, 0.0, drafted=False)
+    assert prices._bucket(1).one_row == 2.0  # the first time as it is
+    prices.record(1, 1, 6.0, 0.0, drafted=False)  # a busy moment: counted as 1.5 times the usual
+    assert prices._bucket(1).one_row == pytest.approx(0.8 * 2.0 + 0.2 * 3.0)
+    prices.record(1, 1, 1.0, 0.0, drafted=False)  # faster: counted as it is
+    assert prices._bucket(1).one_row == pytest.approx(0.8 * 2.2 + 0.2 * 1.0)
+
+
+def test_batch_sizes_share_their_prices_from_a_power_of_two_to_the_next():
+    prices = StepPrices(linear_curve(0.1))
+    assert prices._bucket(5) is prices._bucket(4) is prices._bucket(7)
+    assert len({id(prices._bucket(batch)) for batch in (1, 2, 3, 4, 8, 15, 16)}) == 5
+    prices.record(4, 1, 2.0, 0.4, drafted=True)
+    assert prices._bucket(6).one_row == 2.0 and prices._bucket(6).overhead == {True: 0.1}  # per sequence
+    assert prices._bucket(8).one_row is None and prices._bucket(2).overhead == {}
+
+
+@pytest.mark.parametrize("drafted_overhead, pauses", [(0.3, False), (0.5, True)])
+def test_proposing_is_what_drafted_steps_spend_outside_the_forward_beyond_plain_ones(drafted_overhead, pauses):
+    """Drafted steps that committed less than they cost pause drafts where proposing is dear: 0.3 s a step
+    against 0.25 for a plain one is 5% of a one-row forward (under PROPOSING_SHARE), 0.5 is 25%."""
+    prices = StepPrices(linear_curve(0.1))
+    prices.record(1, 1, 1.0, 0.25, drafted=False)
+    for _ in range(StepPrices.JUDGED_AFTER):  # one token a step, as a plain step makes, at a higher cost
+        prices.record(1, 1, 1.0, drafted_overhead, drafted=True, tokens=1)
+    assert prices._bucket(1).drafted.below(StepPrices.PAYS_ABOVE, StepPrices.JUDGED_AFTER)
+    assert prices.drafts(1) is not pauses
