@@ -309,3 +309,23 @@ def test_corpus_drafts_match_as_long_as_they_say_after_a_document_is_added_befor
             assert pattern is not None and any(
                 tuple(held[end + 1 : end + 1 + len(draft.tokens)]) == draft.tokens
                 for end in occurrences(held, pattern)), draft
+
+
+def test_a_corpus_takes_token_ids_as_lists_arrays_or_tensors_and_refuses_anything_else():
+    import numpy as np
+    import torch
+
+    corpus = Corpus(max_megabytes=1)
+    assert corpus.largest_token == -1  # nothing held
+    for document in ([3, 7, 2], (4, 1), np.array([5, 6]), torch.tensor([8, 0]), []):
+        corpus.add(document)
+    assert [list(d) for d in corpus._documents] == [[3, 7, 2], [4, 1], [5, 6], [8, 0], []]
+    assert corpus.largest_token == 8
+    for bad in ([1, -1], [1, True], [1, 2.0], [[1, 2]], "12", torch.tensor([[1, 2]]), 5):
+        with pytest.raises(ValueError, match=r"a corpus document must be a 1-D sequence of token ids \(integers >= 0\)"
+                                             rf".*; got {type(bad).__name__}"):
+            corpus.add(bad)
+    assert len(corpus._documents) == 5  # nothing of a refused document was kept
+    version = corpus.version
+    corpus.clear()
+    assert corpus.largest_token == -1 and corpus.version == version + 1

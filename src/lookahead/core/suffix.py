@@ -198,12 +198,13 @@ class Corpus:
 
 def _token_ids(tokens: object) -> list[int]:
     """`tokens` as a list of ints >= 0 (arrays and tensors through `tolist`)."""
+    given = tokens
     if hasattr(tokens, "tolist") and not isinstance(tokens, (list, tuple)):
         tokens = tokens.tolist()
     if not isinstance(tokens, (list, tuple)) or not all(
             isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in tokens):
         raise ValueError("a corpus document must be a 1-D sequence of token ids (integers >= 0), e.g. a "
-                         f"tokenizer's input_ids for one text; got {type(tokens).__name__}")
+                         f"tokenizer's input_ids for one text; got {type(given).__name__}")
     return [int(t) for t in tokens]
 
 
