@@ -170,3 +170,48 @@ def test_the_version_is_the_installed_distributions():
     declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
     assert result.returncode == 0 and result.stdout.strip() == f"lookahead {declared}"
     assert lookahead.__version__ == declared
+
+
+def test_a_prompt_of_dash_is_read_from_standard_input_and_a_blank_one_refused(tiny_dir):
+    import typer.testing
+
+    from lookahead import cli
+
+    def generate(prompt: str, stdin: str | None = None):
+        return typer.testing.CliRunner().invoke(cli.app, ["generate", prompt, "--model", tiny_dir, "--json",
+                                                          "--max-new-tokens", "4", "--raw"], input=stdin)
+
+    given, piped = generate("Once upon a time"), generate("-", "Once upon a time")
+    assert given.exit_code == piped.exit_code == 0
+    assert json.loads(piped.stdout)["text"] == json.loads(given.stdout)["text"]
+    for blank in ("  \n", "-"):
+        refused = generate(blank, "\n\n")
+        assert refused.exit_code == 2 and "the prompt is empty (or blank)" in refused.stderr
+
+
+def test_serve_refuses_an_address_it_cannot_listen_on_before_loading_the_model(monkeypatch):
+    import socket
+
+    from lookahead import cli
+
+    monkeypatch.setattr(cli, "_load_model", lambda *_: pytest.fail("the model loaded before the address was checked"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = run_cli("serve", "--port", str(taken.getsockname()[1]))
+    assert result.returncode == 2 and "cannot listen on 127.0.0.1:" in result.stderr
+    assert "Address already in use" in result.stderr
+    result = run_cli("serve", "--host", "no-such-host.invalid")
+    assert result.returncode == 2 and "cannot listen on no-such-host.invalid:8000" in result.stderr
+
+
+def test_bench_refuses_an_out_folder_it_cannot_write_into_before_any_work(tmp_path, monkeypatch):
+    from lookahead import cli
+
+    def refused(**_):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cli.tempfile, "TemporaryFile", refused)
+    result = run_cli("bench", "--out", str(tmp_path), "--max-new-tokens", "2")
+    assert result.returncode == 2 and "cannot write into the folder" in result.stderr
+    assert "Permission denied" in result.stderr

@@ -696,42 +696,50 @@ def test_a_reply_cut_by_a_stop_string_joins_the_corpus_up_to_the_cut(server, def
 
 
 def test_the_serve_command_starts_on_the_default_model():
+    """`lookahead serve` with no model: it says where it listens (the port the system chose for --port 0), serves,
+    and on Ctrl-C ends the replies in progress at once (an error event ends a stream) rather than waiting for
+    them to reach max_tokens."""
+    import re
     import shutil
-    import socket
+    import signal
     import subprocess
     import sys
     from pathlib import Path
 
-    with socket.socket() as probe:  # a port free now (the command takes a port number)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     command = shutil.which("lookahead", path=str(Path(sys.executable).parent))
     # One thread, as each test worker runs: the server reads the cost curves the workers measured instead of
     # measuring its own on two threads beside them (103 s to answer in a fresh CI run, of a 120 s deadline).
-    process = subprocess.Popen([command, "serve", "--port", str(port), "--max-batch", "2", "--threads", "1",
+    process = subprocess.Popen([command, "serve", "--port", "0", "--max-batch", "2", "--threads", "1",
                                 "--corpus-mb", "8", "--allow-origin", "http://localhost:3000"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                assert raw(f"http://127.0.0.1:{port}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
-                break
-            except urllib.error.URLError:
-                assert process.poll() is None, process.communicate()[1]
-                time.sleep(0.5)
-        else:
-            pytest.fail("the server did not answer within 120 s")
-        reply = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0).completions.create(
-            model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=4, temperature=0)
+        found = [None]
+        reader = threading.Thread(target=lambda: found.__setitem__(0, process.stderr.readline()), daemon=True)
+        reader.start()
+        reader.join(120)
+        assert found[0], "the server said nothing within 120 s"
+        url = re.fullmatch(r"serving SmolLM2-135M-Instruct on (http://127\.0\.0\.1:\d+) \(.*\)\n", found[0]).group(1)
+        assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        reply = api.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=4,
+                                       temperature=0)
         assert reply.usage.completion_tokens == 4 and reply.choices[0].text
-        assert preflight(f"http://127.0.0.1:{port}", "http://localhost:3000") == (200, "http://localhost:3000")
-        code, error = raw(f"http://127.0.0.1:{port}/health", headers={"Host": "attacker.example"})
+        assert preflight(url, "http://localhost:3000") == (200, "http://localhost:3000")
+        code, error = raw(f"{url}/health", headers={"Host": "attacker.example"})
         assert code == 400 and "--allow-host" in error["error"]["message"]
+        stream = api.completions.create(model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=1500,
+                                        stream=True, logit_bias={"2": -100})  # no end of text: 1,500 tokens
+        chunks = iter(stream)
+        next(chunks)
+        process.send_signal(signal.SIGINT)
+        with pytest.raises(openai.APIError, match="engine has stopped"):
+            for _ in chunks:
+                pass
+        assert process.wait(timeout=30) != 0
+        assert "stopping: replies in progress end now" in process.stderr.read()
     finally:
         process.terminate()
         process.wait(timeout=30)
-
 
 def test_a_full_queue_answers_429_and_the_server_keeps_serving(default_model):
     model, tokenizer = default_model

@@ -6,6 +6,8 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
+import threading
 import time
 from itertools import product, zip_longest
 from pathlib import Path
@@ -109,7 +111,7 @@ def _config(window: int | None, ngram: int | None, guesses: int | None, suffix: 
 @app.command("generate")
 def generate_command(
     ctx: typer.Context,
-    prompt: Annotated[str, typer.Argument(help="The prompt text.")],
+    prompt: Annotated[str, typer.Argument(help="The prompt text; - reads it from standard input.")],
     model: ModelOption = None,
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
@@ -141,8 +143,10 @@ def generate_command(
     each step; their config is fixed (W=5, N=4, G=5 unless given)."""
     config = _config(window, ngram, guesses, suffix)
     compile = _compile_mode(compile, cpp_wrapper)
-    if not prompt:
-        raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise typer.BadParameter("the prompt is empty" + (" (or blank)" if prompt else ""), param_hint="PROMPT")
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty)
     if temperature == 0:
         _refuse_given(ctx, ["seed"], "applies only with sampling (--temperature > 0); greedy decoding draws nothing")
@@ -268,8 +272,10 @@ def _out_folder(out: Path | None) -> Path | None:
     if out is not None:
         try:
             out.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=out):  # a folder that exists may still refuse files
+                pass
         except OSError as error:
-            raise typer.BadParameter(f"cannot make the folder {out}: {error.strerror or error}") from error
+            raise typer.BadParameter(f"cannot write into the folder {out}: {error.strerror or error}") from error
     return out
 
 
@@ -754,6 +760,7 @@ def serve_command(
 
     from .serve import create_app, hosts_to_allow
 
+    _check_address(host, port)  # before the model loads (minutes with --compile)
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     name = model or DEFAULT_MODEL_NAME
     try:
@@ -763,7 +770,48 @@ def serve_command(
                                 allowed_hosts=hosts_to_allow(host, allow_host or ()))
     except (ValueError, MemoryError) as error:
         _fail(str(error))
-    uvicorn.run(server_app, host=host, port=port, log_level="warning")
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            # Ctrl-C or SIGTERM: replies in progress end now, with an error event (uvicorn alone waited for
+            # each to reach its max_tokens); connections still open after SHUTDOWN_GRACE seconds are cut.
+            print("stopping: replies in progress end now", file=sys.stderr, flush=True)
+            server_app.state.engine_loop.stop()
+            await super().shutdown(sockets)
+
+    server = Server(uvicorn.Config(server_app, host=host, port=port, log_level="warning",
+                                   timeout_graceful_shutdown=SHUTDOWN_GRACE))
+    threading.Thread(target=_say_where, args=(server, name), daemon=True).start()
+    server.run()
+
+
+SHUTDOWN_GRACE = 5  # seconds
+
+
+def _check_address(host: str, port: int) -> None:
+    """Exit 2 with one line where `serve` could not listen on host:port (a port in use, a host not of this
+    machine)."""
+    import socket
+
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind((host, port))
+    except OSError as error:
+        _fail(f"cannot listen on {host}:{port}: {error.strerror or error}")
+
+
+def _say_where(server, model: str) -> None:
+    """One line on stderr once the server listens: where (the port the system chose for --port 0)."""
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.1)
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    address = f"[{host}]" if ":" in host else host
+    print(f"serving {model} on http://{address}:{port} (the chat page at /, the API at /v1; Ctrl-C stops)",
+          file=sys.stderr, flush=True)
 
 
 def _compile_mode(compile: bool, cpp_wrapper: bool) -> bool | str:
