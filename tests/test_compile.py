@@ -222,7 +222,7 @@ def test_cli_generate_compiles_and_says_how_long_it_took(tiny_dir):
     result = run_cli("generate", "def add(a, b):", "--raw", "--model", tiny_dir, "--max-new-tokens", "6",
                      "--window", "0", "--guesses", "0", "--compile")
     assert result.returncode == 0, result.stderr
-    assert "[6 new tokens," in result.stdout and "s of it compiling" in result.stdout
+    assert "[6 new tokens," in result.stderr and "s of it compiling" in result.stderr
     for option in ("--compile", "--cpp-wrapper"):
         refused = run_cli("generate", "hello", "--model", tiny_dir, option, "--workers", "2")
         assert refused.returncode == 2 and "--compile/--cpp-wrapper runs in one process" in refused.stderr

@@ -194,7 +194,7 @@ def generate_command(
         else:
             print(text)
             print(f"[{stats.new_tokens} new tokens, {stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step, "
-                  f"{stats.tokens_per_second:.1f} tokens/s, {max(workers, launched)} processes]")
+                  f"{stats.tokens_per_second:.1f} tokens/s, {max(workers, launched)} processes]", file=sys.stderr)
         return
 
     # The tokenizer always: a model's generation config may hold stop strings of its own (None: those).
@@ -242,7 +242,7 @@ def generate_command(
             f"; model.generate {report['baseline_seconds']:.2f}s vs lookahead {stats.seconds:.2f}s, "
             f"speedup {report['speedup']:.2f}x, identical: {report['identical']}"
         )
-    print(summary + "]")
+    print(summary + "]", file=sys.stderr)  # the reply alone on stdout, for a pipe or a file
 
 
 def _print_version(asked: bool) -> None:
