@@ -140,8 +140,9 @@ def test_bench_corpus_refuses_an_unknown_pair(tiny_dir):
         (["parallel", "--cost-file", "pyproject.toml"], "not a cost.json of `lookahead bench cost`"),
         (["serve", "--url", "foo"], "expected the server's address, http://HOST:PORT, got 'foo'"),
         (["sweep", "--windows", ""], "expected at least one value"),
-        (["--out", "pyproject.toml"], "cannot make the folder pyproject.toml"),
-        (["cost", "--out", "pyproject.toml/x"], "cannot make the folder"),
+        (["sweep", "--windows", "1,-1"], "Invalid value for --windows: must be an integer >= 0"),
+        (["--out", "pyproject.toml"], "cannot write into the folder pyproject.toml"),
+        (["cost", "--out", "pyproject.toml/x"], "cannot write into the folder"),
     ],
 )
 def test_bench_bad_options(args, message):

@@ -118,8 +118,9 @@ def test_installed_script_streams_the_text_and_says_its_speed_on_stderr():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--window", "-1"], "window must be an integer >= 0"),
-        (["--ngram", "1"], "ngram must be an integer >= 2"),
+        (["--window", "-1"], "Invalid value for --window: must be an integer >= 0"),  # the option named
+        (["--ngram", "1"], "Invalid value for --ngram: must be an integer >= 2"),
+        (["--suffix", "-1"], "Invalid value for --suffix: must be an integer >= 0"),
         (["--dtype", "int3"], "must be one of"),
         (["--max-new-tokens", "0"], "max-new-tokens"),
         (["--window", "50"], "window x (ngram - 1) must be below 128"),

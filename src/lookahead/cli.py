@@ -104,7 +104,10 @@ def _config(window: int | None, ngram: int | None, guesses: int | None, suffix: 
         return None
     try:
         return LookaheadConfig(**given)
-    except ValueError as error:
+    except ValueError as error:  # "LookaheadConfig.window must be ...": said of the option that set it
+        field, _, rest = str(error).removeprefix("LookaheadConfig.").partition(" ")
+        if field in given:
+            raise typer.BadParameter(rest, param_hint=f"--{field}") from error
         raise typer.BadParameter(str(error)) from error
 
 
@@ -501,7 +504,11 @@ def sweep_command(
         if not values:
             raise typer.BadParameter("expected at least one value", param_hint=hint)
     for w, n, g in product(*grid):  # every point valid before the model loads
-        _parse_config(f"{w},{n},{g}")
+        try:
+            LookaheadConfig(window=w, ngram=n, guesses=g)
+        except ValueError as error:
+            field, _, rest = str(error).removeprefix("LookaheadConfig.").partition(" ")
+            raise typer.BadParameter(rest, param_hint=f"--{field}s") from error
     prompts = _workload(dataset, 1, False, None, limit)
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw) for p in prompts]
