@@ -123,6 +123,7 @@ def test_bench_corpus_refuses_an_unknown_pair(tiny_dir):
     "args, message",
     [
         (["--dataset", "nope"], "dataset must be one of"),
+        (["--dataset", "prompts/missing.jsonl"], "or a JSONL file, got 'prompts/missing.jsonl': no such file"),
         (["--config", "1,2"], "expected W,N,G"),
         (["--config", "auto:x"], "expected auto:W with W an integer >= 0"),
         (["--config", "auto:60"], "window x (ngram - 1) must be below 128"),

@@ -78,7 +78,9 @@ def load_workload(name: str, turns: int = 1, raw: bool = False) -> list[Prompt]:
         return prompts
     path = Path(name)
     if not path.is_file():
-        raise ValueError(f"dataset must be one of {BUILTIN} or a JSONL file, got {name!r}")
+        looks_like_a_file = path.suffix or path.parent != Path(".")
+        raise ValueError(f"dataset must be one of {BUILTIN} or a JSONL file, got {name!r}"
+                         + (": no such file" if looks_like_a_file else ""))
     prompts = []
     for index, line in enumerate(path.read_text().splitlines()):
         if not line.strip():
