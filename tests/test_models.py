@@ -429,3 +429,15 @@ def test_lookahead_command_reports_a_missing_model_path_in_one_line():
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == ["Error: model path not found: /nonexistent"]
+
+
+def test_a_load_error_is_said_on_one_line_whole_not_cut_at_its_first():
+    """transformers' message for a folder without tokenizer files breaks its sentence across lines: the first
+    line alone ended at "from one of:"."""
+    from lookahead.models import _one_line
+
+    error = ValueError("Couldn't instantiate the backend tokenizer from one of:\n(1) a `tokenizers` file,\n\n(2) a slow one.")
+    assert _one_line(error) == ("ValueError: Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers` "
+                                "file, (2) a slow one.")
+    assert _one_line(ValueError("x" * 1000)) == "ValueError: " + "x" * 399 + "…"
+    assert _one_line(OSError()) == "OSError"

@@ -72,10 +72,13 @@ def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES.get(dtype, torch.float32)
 
 
-def _one_line(error: BaseException) -> str:
-    """The first non-empty line of an exception's message, prefixed by its type."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+def _one_line(error: BaseException, limit: int = 400) -> str:
+    """An exception's message on one line (its lines joined, at most `limit` characters), prefixed by its type:
+    a first line alone can stop mid-sentence ("... from one of:")."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 _HASHES: dict[tuple, str] = {}  # (resolved path, inode, size, mtime_ns) -> hex digest, within this process
