@@ -173,6 +173,8 @@ def generate_command(
             if given:
                 raise typer.BadParameter(f"{option} runs in one process; drop --workers", param_hint=option)
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads if workers == 1 else None, tensor_parallel)
+    if tensor_parallel and dist.is_initialized():  # transformers made the group: ended before exit, where gloo's
+        ctx.call_on_close(dist.destroy_process_group)  # threads left running had aborted a loaded process
     input_ids = encode_prompt(tokenizer, prompt, raw=raw)
     try:
         check_request(lm, input_ids, max_new_tokens)
