@@ -142,6 +142,7 @@ def test_bench_corpus_refuses_an_unknown_pair(tiny_dir):
         (["serve", "--url", "foo"], "expected the server's address, http://HOST:PORT, got 'foo'"),
         (["sweep", "--windows", ""], "expected at least one value"),
         (["sweep", "--windows", "1,-1"], "Invalid value for --windows: must be an integer >= 0"),
+        (["sweep", "--windows", "50", "--ngrams", "4"], "the window of 50 x 3 rows is too large for one step"),
         (["--out", "pyproject.toml"], "cannot write into the folder pyproject.toml"),
         (["cost", "--out", "pyproject.toml/x"], "cannot write into the folder"),
     ],

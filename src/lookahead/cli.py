@@ -104,11 +104,18 @@ def _config(window: int | None, ngram: int | None, guesses: int | None, suffix: 
         return None
     try:
         return LookaheadConfig(**given)
-    except ValueError as error:  # "LookaheadConfig.window must be ...": said of the option that set it
-        field, _, rest = str(error).removeprefix("LookaheadConfig.").partition(" ")
-        if field in given:
-            raise typer.BadParameter(rest, param_hint=f"--{field}") from error
-        raise typer.BadParameter(str(error)) from error
+    except ValueError as error:
+        raise _config_refusal(error, {name: f"--{name}" for name in given}) from error
+
+
+def _config_refusal(error: ValueError, options: dict[str, str]) -> typer.BadParameter:
+    """A LookaheadConfig error said of the option that set the field it names ("LookaheadConfig.window must be
+    ..." -> --window: must be ...), where `options` (field -> option) holds it; one of several fields (a window
+    too large for a step) as it is."""
+    field, _, rest = str(error).removeprefix("LookaheadConfig.").partition(" ")
+    if field in options:
+        return typer.BadParameter(rest, param_hint=options[field])
+    return typer.BadParameter(str(error))
 
 
 @app.command("generate")
@@ -509,8 +516,7 @@ def sweep_command(
         try:
             LookaheadConfig(window=w, ngram=n, guesses=g)
         except ValueError as error:
-            field, _, rest = str(error).removeprefix("LookaheadConfig.").partition(" ")
-            raise typer.BadParameter(rest, param_hint=f"--{field}s") from error
+            raise _config_refusal(error, {name: f"--{name}s" for name in ("window", "ngram", "guesses")}) from error
     prompts = _workload(dataset, 1, False, None, limit)
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw) for p in prompts]

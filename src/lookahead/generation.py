@@ -20,7 +20,7 @@ from .core.suffix import Corpus
 from .engine import (Engine, GenerationStats, RequestParams, as_token_tensor, check_params, check_request, eos_ids,
                      StoppingCriterion, pad_id, stop_token_list)
 from .hf import check_model
-from .sampling import UNSUPPORTED_CONFIG, merged_by_type, with_model_defaults
+from .sampling import merged_by_type, unsupported_option, unsupported_search, with_model_defaults
 
 
 @dataclass
@@ -228,10 +228,9 @@ def _generation_config(model: PreTrainedModel, given: GenerationConfig | None, o
     if "assistant_model" in options:
         raise TypeError("assistant_model: assisted decoding is not what lookahead does; it drafts without a draft "
                         "model (leave assistant_model out)")
-    for name, plain in UNSUPPORTED_CONFIG.items():  # before the config is built: its own checks would say less
-        if options.get(name) is not None and options[name] != plain:
-            raise ValueError(f"{name}={options[name]!r} asks for a search lookahead does not decode with; leave it "
-                             f"at {plain!r}{_INSTEAD.get(name, '')}")
+    found = unsupported_option(options.get)  # before the config is built: its own checks would say less
+    if found is not None:
+        raise unsupported_search(*found)
     config = with_model_defaults(model, given if given is not None else GenerationConfig())
     unknown = config.update(**options)
     if unknown:
@@ -333,16 +332,10 @@ def _new_tokens(config: GenerationConfig, max_new_tokens: int | None, width: int
     return length - width
 
 
-# What to do instead of an option refused above, where there is something.
-_INSTEAD = {"num_return_sequences": " (for several samples of a prompt, pass it several times in a list of prompts "
-                                    "with do_sample=True: each row draws its own)",
-            "prompt_lookup_num_tokens": " (lookahead's suffix source drafts from the prompt already)"}
-
-
 def _integer(value: object) -> object:
     """An integer given as numpy's or as a 0-d tensor, as a Python int (as stop token ids are taken); any other
     value as it is, for the checks to refuse by name."""
-    if isinstance(value, bool) or isinstance(value, int):
+    if isinstance(value, int):  # bool too: refused by name later
         return value
     try:
         return operator.index(value)

@@ -49,6 +49,26 @@ UNSUPPORTED_CONFIG = {"num_beams": 1, "penalty_alpha": None, "dola_layers": None
                       "watermarking_config": None, "num_return_sequences": 1, "force_words_ids": None,
                       "constraints": None, "prompt_lookup_num_tokens": None, "assistant_early_exit": None,
                       "use_mtp": None}
+# What to do instead of an option refused there, where there is something.
+_INSTEAD = {"num_return_sequences": " (for several samples of a prompt, pass it several times in a list of prompts "
+                                    "with do_sample=True: each row draws its own)",
+            "prompt_lookup_num_tokens": " (lookahead's suffix source drafts from the prompt already)"}
+
+
+def unsupported_option(get: Callable[[str], object]) -> tuple[str, object] | None:
+    """The first option of UNSUPPORTED_CONFIG that `get(name)` sets to a value that does not leave it off, with
+    that value; None where there is none."""
+    for name, plain in UNSUPPORTED_CONFIG.items():
+        value = get(name)
+        if value is not None and value != plain:
+            return name, value
+    return None
+
+
+def unsupported_search(name: str, value: object, where: str = "") -> ValueError:
+    """The refusal of an option `unsupported_option` found (`where`: where it was set, as said after it)."""
+    return ValueError(f"{name}={value!r}{where} asks for a search lookahead does not decode with; leave it at "
+                      f"{UNSUPPORTED_CONFIG[name]!r}{_INSTEAD.get(name, '')}")
 
 
 @dataclass(frozen=True)
@@ -147,14 +167,14 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
         raise TypeError(f"generation_config must be a transformers GenerationConfig or None, got "
                         f"{type(options.generation_config).__name__}")
     config = options.config(model)
-    for name, plain in UNSUPPORTED_CONFIG.items():
-        value = getattr(config, name, None)
-        if value is not None and value != plain:
-            if options.generation_config is None:
-                raise ValueError(f"the model's generation config sets {name}={value!r}, which lookahead does not "
-                                 f"decode with; set model.generation_config.{name} = {plain!r} to decode without it")
-            raise ValueError(f"{name}={value!r} (generation config) asks for a search lookahead does not decode "
-                             f"with; leave it at {plain!r}")
+    found = unsupported_option(lambda name: getattr(config, name, None))
+    if found is not None:
+        name, value = found
+        if options.generation_config is None:
+            raise ValueError(f"the model's generation config sets {name}={value!r}, which lookahead does not "
+                             f"decode with; set model.generation_config.{name} = {UNSUPPORTED_CONFIG[name]!r} to "
+                             "decode without it")
+        raise unsupported_search(name, value, " (generation config)")
 
 
 def with_model_defaults(model: PreTrainedModel, given: GenerationConfig) -> GenerationConfig:
