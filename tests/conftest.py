@@ -29,10 +29,11 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from lookahead import cli, engine, kernels, quant
+from lookahead import cli, engine, kernels, models, quant
 from lookahead.baseline import hf_generate
 from lookahead.core.prices import StepPrices
-from lookahead.models import cache_root, load_model
+from lookahead.config import cache_root
+from lookahead.models import load_model
 from lookahead.runtime.batch import StepInput
 
 TINY_VOCAB = 128
@@ -106,9 +107,10 @@ def _load_once(name_or_path: str | None, gguf_file: str | None, dtype: str):
 
 @pytest.fixture(autouse=True, scope="session")
 def _models_loaded_once():
-    """Each model is loaded once per test process, also by the in-process CLI (a failed load is not kept)."""
+    """Each model is loaded once per test process, also by the in-process CLI, which imports `load_model` when a
+    command runs (a failed load is not kept). Test modules bound the real one at import."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cli, "load_model", lambda name_or_path=None, gguf_file=None, dtype="float32":
+        patch.setattr(models, "load_model", lambda name_or_path=None, gguf_file=None, dtype="float32":
                       _load_once(name_or_path, gguf_file, dtype))
         yield
 

@@ -344,9 +344,22 @@ def test_bench_cost_names_max_k_past_the_models_context(tiny_dir):
     assert result.returncode == 2 and "--max-k" in result.stderr and "exceeds the model's context" in result.stderr
 
 
-def test_bench_serve_names_a_server_it_cannot_reach():
+def test_bench_serve_names_a_server_it_cannot_reach_or_that_refuses(tiny_dir):
+    """Said plainly: "cannot reach .../v1/models: [Errno 111] Connection refused" where the repr of urllib's
+    error had been printed; a server wanting a key says so."""
+    from lookahead.models import load_model
+    from lookahead.serve import create_app, serve_in_thread
+
     result = run("bench", "serve", "--url", "http://127.0.0.1:9", "--requests", "1")
-    assert result.returncode == 2 and "--url" in result.stderr and "/v1/models" in result.stderr
+    assert result.returncode == 2 and "--url" in result.stderr and "URLError" not in result.stderr
+    assert "cannot reach http://127.0.0.1:9/v1/models: [Errno 111] Connection refused" in result.stderr
+    model, tokenizer = load_model(tiny_dir)
+    with serve_in_thread(create_app(model, tokenizer, model_name="tiny", max_length=64, api_keys=("k",))) as url:
+        refused = run("bench", "serve", "--url", url, "--requests", "1")
+        accepted = run("bench", "serve", "--url", url, "--api-key", "k", "--requests", "1", "--clients", "1",
+                       "--max-new-tokens", "2")
+    assert refused.returncode == 2 and "answered HTTP 401 Unauthorized (give a key it accepts: --api-key)" in refused.stderr
+    assert accepted.returncode == 0, accepted.stderr
     result = run("bench", "serve", "--url", "http://127.0.0.1:9", "--rounds", "2")
     assert result.returncode == 2 and "--rounds" in result.stderr and "same key" in result.stderr
 

@@ -173,6 +173,21 @@ def test_the_version_is_the_installed_distributions():
     assert lookahead.__version__ == declared
 
 
+def test_help_and_refusals_answer_without_importing_torch():
+    """`lookahead --help`, `--version` and a refused option took 5 s, importing torch and transformers first;
+    importing the package or its CLI now leaves them for the commands that run."""
+    probe = ("import sys, typer.testing, lookahead, lookahead.cli as cli\n"
+             "for args in (['--help'], ['generate', '--help'], ['bench', 'corpus', '--help'], ['--version'],"
+             " ['generate', 'hi', '--top-p', '2']):\n"
+             "    typer.testing.CliRunner().invoke(cli.app, args)\n"
+             "print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))\n"
+             "from lookahead import generate, Corpus\n"
+             "print('torch' in sys.modules, callable(generate))\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["[]", "True True"]
+
+
 def test_a_prompt_of_dash_is_read_from_standard_input_and_a_blank_one_refused(tiny_dir):
     import typer.testing
 

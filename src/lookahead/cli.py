@@ -11,36 +11,19 @@ import threading
 import time
 from itertools import product, zip_longest
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 from urllib.parse import urlsplit
 
-import torch
-import torch.distributed as dist
 import typer
-from rich.console import Console
-from rich.progress import Progress, TextColumn
-from transformers import TextStreamer
-from transformers.utils import logging as hf_logging
 
-from .baseline import hf_generate
-from .bench.batch import batch_runs, batch_table
-from .bench.corpus import PAIRS, corpus_runs, corpus_table
-from .bench.cost import sweep
-from .bench.report import (
-    divergence_table, drafts_line, fit_log_line, profile_line, summary_table, write_batch, write_benchmark, write_cost,
-    write_parallel, write_serve, write_sweep,
-)
-from .bench.runner import environment, run_benchmark, standard_methods, summarize
 from .config import AUTO_CONFIG, LookaheadConfig
-from .costs import CostCurve, cost_curve, eager_and_compiled_cost, forward_cost
-from .engine import check_request
-from .generation import generate
-from .hf import HFModelRunner, context_length
-from .models import DEFAULT_MODEL_NAME, WEIGHT_CHOICES, ModelLoadError, load_model
-from .quant import QUANTISED_WEIGHTS
-from .parallel import DEFAULT_TIMEOUT, WorkerError, parallel_generate, run_workers
-from .prompts import encode_prompt, has_chat_template
-from .workloads import BUILTIN, load_workload
+from .workloads import BUILTIN, CORPUS_PAIRS, load_workload
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+# torch, transformers and the modules on them are imported by the commands that run: `--help`, `--version` and
+# a refused option answer in a fraction of a second instead of the seconds those imports take.
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Lookahead decoding for Hugging Face causal LMs.")
 
@@ -164,6 +147,8 @@ def generate_command(
         raise typer.BadParameter("a stop string must not be empty", param_hint="--stop")
     launched = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes
     if tensor_parallel:
+        from .quant import QUANTISED_WEIGHTS
+
         if dtype in QUANTISED_WEIGHTS:
             raise typer.BadParameter(f"--dtype {dtype} keeps weights quantised in layers of our own, which "
                                      "transformers cannot split: leave out one of the two", param_hint="--tensor-parallel")
@@ -179,6 +164,15 @@ def generate_command(
         for given, option in ((compare, "--compare"), (compile, "--compile/--cpp-wrapper"), (stop, "--stop")):
             if given:
                 raise typer.BadParameter(f"{option} runs in one process; drop --workers", param_hint=option)
+    import torch  # after the checks above, which need none of these
+    import torch.distributed as dist
+    from transformers import TextStreamer
+
+    from .baseline import hf_generate
+    from .engine import check_request
+    from .generation import generate
+    from .prompts import encode_prompt
+
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads if workers == 1 else None, tensor_parallel)
     if tensor_parallel and dist.is_initialized():  # transformers made the group: ended before exit, where gloo's
         ctx.call_on_close(dist.destroy_process_group)  # threads left running had aborted a loaded process
@@ -320,6 +314,10 @@ def _parse_config(text: str) -> LookaheadConfig:
 
 def _torchrun_rank(lm, call: dict):
     """This rank's part of `generate` under torchrun: the output on rank 0, None on the others."""
+    import torch.distributed as dist
+
+    from .parallel import DEFAULT_TIMEOUT, parallel_generate
+
     if not dist.is_initialized():
         dist.init_process_group("nccl" if lm.device.type == "cuda" else "gloo", timeout=DEFAULT_TIMEOUT)
     try:
@@ -331,6 +329,8 @@ def _torchrun_rank(lm, call: dict):
 
 def _local_workers(workers: int, threads: int | None, source: tuple, call: dict):
     """`generate --workers`: `workers` local processes, each loading the model from `source`."""
+    from .parallel import WorkerError, run_workers
+
     try:
         return run_workers(workers, _parallel_worker, source, call, threads=threads)
     except WorkerError as error:
@@ -340,6 +340,11 @@ def _local_workers(workers: int, threads: int | None, source: tuple, call: dict)
 def _parallel_worker(source: tuple[str | None, str | None, str], call: dict):
     """One process of `generate --workers`: its own copy of the model (name, GGUF file, dtype), its share of
     every step."""
+    from transformers.utils import logging as hf_logging
+
+    from .models import load_model
+    from .parallel import parallel_generate
+
     hf_logging.disable_progress_bar()
     model, gguf_file, dtype = source
     lm, _ = load_model(model, gguf_file=gguf_file, dtype=dtype)
@@ -348,6 +353,11 @@ def _parallel_worker(source: tuple[str | None, str | None, str], call: dict):
 
 def _load_model(model: str | None, gguf_file: str | None, dtype: str, threads: int | None,
                 tensor_parallel: bool = False):
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from .models import WEIGHT_CHOICES, ModelLoadError, load_model
+
     if dtype not in WEIGHT_CHOICES:
         raise typer.BadParameter(f"must be one of {list(WEIGHT_CHOICES)}, got {dtype!r}", param_hint="--dtype")
     if threads is not None:
@@ -410,6 +420,13 @@ def bench_command(
         _refuse_given(ctx, list(ctx.params), f"is an option of `lookahead bench` itself, which `bench "
                       f"{ctx.invoked_subcommand}` does not read: give the subcommand's options after its name")
         return
+    from .bench.batch import batch_runs, batch_table
+    from .bench.report import (
+        divergence_table, drafts_line, profile_line, summary_table, write_batch, write_benchmark,
+    )
+    from .bench.runner import environment, run_benchmark, standard_methods, summarize
+    from .prompts import encode_prompt, has_chat_template
+
     configs = [_parse_config(c) for c in config] if config else None
     compile = _compile_mode(compile, cpp_wrapper)
     if batch_size is not None:
@@ -424,8 +441,7 @@ def bench_command(
         prompts = _workload(dataset, 1, raw, category, limit or 16)
         lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
         inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw)[0] for p in prompts]
-        console = Console(stderr=True)
-        with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as progress:
+        with _progress() as progress:
             task = progress.add_task("batch sizes", total=len(sizes) * 3, last="")
             runs = batch_runs(lm, inputs, sizes, max_new_tokens, configs[0] if configs else AUTO_CONFIG,
                               on_run=lambda r: progress.update(task, advance=1, last=f"B={r.batch_size} {r.method} "
@@ -466,9 +482,8 @@ def bench_command(
     if turns > 1 and not has_chat_template(tokenizer):
         raise typer.BadParameter("a second turn needs the model's chat template, which this tokenizer lacks",
                                  param_hint="--turns")
-    console = Console(stderr=True)
     total = len(methods) * sum(len(p.turns) for p in prompts)
-    with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as progress:
+    with _progress() as progress:
         task = progress.add_task(f"{dataset}", total=total, last="")
         runs = run_benchmark(
             lm, tokenizer, prompts, methods, max_new_tokens,
@@ -508,6 +523,11 @@ def sweep_command(
     out: Annotated[Optional[Path], typer.Option("--out", callback=_out_folder, help="Folder for sweep.json and sweep.png.")] = None,
 ) -> None:
     """Grid over (W, N, G): tokens/step against tokens fed per step, with a fitted log line."""
+    from .bench.cost import sweep
+    from .bench.report import fit_log_line, write_sweep
+    from .bench.runner import environment
+    from .prompts import encode_prompt
+
     grid = [_int_list(windows, "--windows"), _int_list(ngrams, "--ngrams"), _int_list(guesses, "--guesses")]
     for values, hint in zip(grid, ("--windows", "--ngrams", "--guesses")):
         if not values:
@@ -547,6 +567,11 @@ def cost_command(
     cpp_wrapper: CppWrapperOption = False,
 ) -> None:
     """The model's forward cost T(k) for k new tokens per step over a cached context."""
+    from .bench.report import write_cost
+    from .bench.runner import environment
+    from .costs import cost_curve, eager_and_compiled_cost, forward_cost
+    from .hf import HFModelRunner, context_length
+
     lm, _ = _load_model(model, gguf_file, dtype, threads)
     room = context_length(lm)
     if room is not None and context + max_k > room:
@@ -577,7 +602,7 @@ def corpus_command(
     limit: Annotated[int, typer.Option(min=1, help="Spec-Bench summarization articles.")] = 5,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
     chars: Annotated[int, typer.Option(min=100, help="Characters of each article kept.")] = 1500,
-    pair: Annotated[str, typer.Option(help=f"The two requests: {' or '.join(PAIRS)} (the same request twice).")] = "summaries",
+    pair: Annotated[str, typer.Option(help=f"The two requests: {' or '.join(CORPUS_PAIRS)} (the same request twice).")] = "summaries",
     model: ModelOption = None,
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
@@ -585,8 +610,10 @@ def corpus_command(
 ) -> None:
     """Two requests over each article (differently worded, or the same twice): the second with and without
     a corpus shared with the first (tokens/step; greedy outputs must not change)."""
-    if pair not in PAIRS:
-        raise typer.BadParameter(f"one of {', '.join(PAIRS)}, got {pair!r}", param_hint="--pair")
+    from .bench.corpus import corpus_runs, corpus_table
+
+    if pair not in CORPUS_PAIRS:
+        raise typer.BadParameter(f"one of {', '.join(CORPUS_PAIRS)}, got {pair!r}", param_hint="--pair")
     articles = [p for p in load_workload("spec_bench") if p.category == "summarization"][:limit]
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     documents = {p.id: p.turns[0].removeprefix("Summarize: ")[:chars] for p in articles}
@@ -616,7 +643,10 @@ def bench_serve_command(
 ) -> None:
     """Load a server with concurrent streaming chat clients, lookahead on and off in turn: TTFT, inter-token
     latency, throughput, failures."""
+    from .bench.report import write_serve
+    from .bench.runner import environment
     from .bench.serve import load_table, serve_load
+    from .models import DEFAULT_MODEL_NAME
     from .serve import create_app, serve_in_thread
 
     if url is not None:
@@ -640,12 +670,11 @@ def bench_serve_command(
                                  "for per mode: lower --requests (or --clients), or give a larger --dataset",
                                  param_hint="--requests")
     compile = _compile_mode(compile, cpp_wrapper)
-    console = Console(stderr=True)
 
     rounds = rounds or (1 if url is not None else 2)
 
     def measure(base: str, name: str, keys: tuple[str | None, ...]) -> list:
-        with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as progress:
+        with _progress() as progress:
             task = progress.add_task("modes", total=2 * rounds, last="")
             return serve_load(base, name, prompts, clients, max_new_tokens, keys, time_limit, rounds,
                               on_run=lambda r: progress.update(task, advance=1, last=f"{r.mode}: "
@@ -678,15 +707,26 @@ def bench_serve_command(
 
 
 def _served_model(url: str, api_key: str | None) -> str:
+    import urllib.error
     import urllib.request
 
+    models = f"{url}/v1/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=headers), timeout=30) as reply:
-            return json.loads(reply.read())["data"][0]["id"]
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as error:  # unreachable, not a URL, not its reply
-        raise typer.BadParameter(f"cannot ask {url}/v1/models for the model it serves: {error!r}",
+        with urllib.request.urlopen(urllib.request.Request(models, headers=headers), timeout=30) as reply:
+            body = reply.read()
+    except urllib.error.HTTPError as error:
+        hint = " (give a key it accepts: --api-key)" if error.code == 401 else ""
+        raise typer.BadParameter(f"{models} answered HTTP {error.code} {error.reason}{hint}",
                                  param_hint="--url") from error
+    except (OSError, ValueError) as error:  # unreachable, not a URL
+        raise typer.BadParameter(f"cannot reach {models}: {getattr(error, 'reason', None) or error}",
+                                 param_hint="--url") from error
+    try:
+        return json.loads(body)["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError) as error:
+        raise typer.BadParameter(f"{models} did not answer with a list of models (is it a `lookahead serve`?): "
+                                 f"{body[:200]!r}", param_hint="--url") from error
 
 
 @bench_app.command("parallel")
@@ -710,6 +750,11 @@ def bench_parallel_command(
     """1..K worker processes sharing each step (gloo, --threads each) at one fixed W,N,G: tokens/s, steps/s,
     identical outputs; and the speedup a cost model predicts for K devices from T(k)."""
     from .bench.parallel import curve_from_points, parallel_runs, parallel_table, predicted_speedups, prediction_table
+    from .bench.report import write_parallel
+    from .bench.runner import environment
+    from .costs import CostCurve, forward_cost
+    from .hf import HFModelRunner
+    from .prompts import encode_prompt
 
     counts = _int_list(workers, "--workers")
     if not counts or min(counts) < 1 or counts[0] != 1:
@@ -728,8 +773,7 @@ def bench_parallel_command(
     prompts = _workload(dataset, 1, raw, None, limit)
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw)[0].tolist() for p in prompts]
-    console = Console(stderr=True)
-    with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as progress:
+    with _progress() as progress:
         task = progress.add_task("worker counts", total=len(counts), last="")
         runs = parallel_runs(model, gguf_file, dtype, inputs, counts, threads, max_new_tokens, config,
                              on_run=lambda r: progress.update(task, advance=1, last=f"{r.workers} workers: "
@@ -773,6 +817,7 @@ def serve_command(
     """An OpenAI-compatible server (chat and text completions, streaming) on the lookahead engine."""
     import uvicorn
 
+    from .models import DEFAULT_MODEL_NAME
     from .serve import create_app, hosts_to_allow
 
     _check_address(host, port)  # before the model loads (minutes with --compile)
@@ -827,6 +872,14 @@ def _say_where(server, model: str) -> None:
     address = f"[{host}]" if ":" in host else host
     print(f"serving {model} on http://{address}:{port} (the chat page at /, the API at /v1; Ctrl-C stops)",
           file=sys.stderr, flush=True)
+
+
+def _progress() -> Progress:
+    """A progress bar on stderr whose tasks carry `last`: the latest run's figures."""
+    from rich.console import Console
+    from rich.progress import Progress, TextColumn
+
+    return Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=Console(stderr=True))
 
 
 def _compile_mode(compile: bool, cpp_wrapper: bool) -> bool | str:

@@ -1,8 +1,10 @@
-"""Lookahead decoding parameters, validated on construction."""
+"""Lookahead decoding parameters, validated on construction; where measurements and builds are cached."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 # The window's rows (with the last token) stay below this: they take at most half of a step, drafts the rest.
 WINDOW_ROWS_BELOW = 128
@@ -76,3 +78,9 @@ def _check_int(name: str, value: object, minimum: int, allowed: str) -> None:
 AUTO_CONFIG = LookaheadConfig(window=5, ngram=4, guesses=5, suffix=32, recycle=4, budget=True)
 # Lookahead off: one token per step through the same loop (the baseline our own engine is compared with).
 PLAIN_CONFIG = LookaheadConfig(window=0, guesses=0)
+
+
+def cache_root() -> Path:
+    """Where dequantised models, cost curves, our kernels (and the tests' reference outputs) are cached, as an
+    absolute path: $LOOKAHEAD_CACHE, or ~/.cache/lookahead where it is unset or empty (not the working folder)."""
+    return Path(os.environ.get("LOOKAHEAD_CACHE") or Path.home() / ".cache" / "lookahead").expanduser().resolve()

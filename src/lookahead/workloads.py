@@ -11,6 +11,13 @@ from pathlib import Path
 
 BUILTIN = ("mt_bench", "humaneval", "gsm8k", "spec_bench", "code_edit")
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+# `lookahead bench corpus`'s two requests over each document: differently worded (the replies share little text
+# beyond the document's own), or the same request again (a client's retry, another user asking the same: with greedy
+# decoding the second reply is the first one, all of it in the corpus).
+CORPUS_PAIRS = {
+    "summaries": ("Summarize this article in two sentences.", "Give a short summary of the article."),
+    "retry": ("Summarize this article in two sentences.",) * 2,
+}
 
 
 @dataclass(frozen=True)

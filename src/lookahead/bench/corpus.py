@@ -9,14 +9,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..core.suffix import Corpus
 from ..generation import GenerationStats, generate
 from ..prompts import encode_prompt
-
-# The two requests over each document: differently worded (the replies share little text beyond the
-# document's own), or the same request again (a client's retry, another user asking the same: with greedy
-# decoding the second reply is the first one, all of it in the corpus).
-PAIRS = {
-    "summaries": ("Summarize this article in two sentences.", "Give a short summary of the article."),
-    "retry": ("Summarize this article in two sentences.",) * 2,
-}
+from ..workloads import CORPUS_PAIRS
 
 
 @dataclass(frozen=True)
@@ -32,11 +25,11 @@ def corpus_runs(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, documents: dict[str, str], max_new_tokens: int,
     pair: str = "summaries",
 ) -> list[CorpusRun]:
-    if pair not in PAIRS:
-        raise ValueError(f"pair must be one of {', '.join(PAIRS)}, got {pair!r}")
+    if pair not in CORPUS_PAIRS:
+        raise ValueError(f"pair must be one of {', '.join(CORPUS_PAIRS)}, got {pair!r}")
     runs = []
     for name, text in documents.items():
-        first_ids, second_ids = (encode_prompt(tokenizer, f"{instruction}\n\n{text}") for instruction in PAIRS[pair])
+        first_ids, second_ids = (encode_prompt(tokenizer, f"{instruction}\n\n{text}") for instruction in CORPUS_PAIRS[pair])
         corpus = Corpus()
         greedy = {"max_new_tokens": max_new_tokens, "do_sample": False}
         first = generate(model, first_ids, corpus=corpus, **greedy)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from ..models import cache_root
+from ..config import cache_root
 
 KERNEL_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 OPERATORS_SOURCE = Path(__file__).parent / "ops.cpp"
