@@ -212,9 +212,18 @@ def test_sampling_inside_a_batch_keeps_the_distribution(small_vocab_model):
         (lambda m, engine: generate(m, [[1, 2], [3]], attention_mask=torch.ones(2, 2)), ValueError,
          "attention_mask goes with a .B, n. tensor"),
         (lambda m, engine: generate(m, [[1, 2], [3, 500]]), ValueError, "token id 500, outside the model's vocabulary"),
+        # These two had raised "'function' object is not iterable" and "'NoneType' object is not iterable".
+        (lambda m, engine: engine.add_request([5], RequestParams(max_new_tokens=4, logits_processor=lambda ids, scores: scores)),
+         TypeError, "logits_processor must be a list of transformers LogitsProcessor .*got function"),
+        (lambda m, engine: engine.add_request([5], RequestParams(max_new_tokens=4, proposers=None)), TypeError,
+         r"proposers must be a list of draft sources .*got NoneType"),
+        (lambda m, engine: engine.add_request([5], RequestParams(max_new_tokens=4), padding=[1.5]), ValueError,
+         "padding must hold integer token ids, got dtype torch.float32"),
+        (lambda m, engine: engine.add_request([5], RequestParams(max_new_tokens=4), padding=[[1], [2]]), ValueError,
+         r"padding must be one row \(\[n\] or \[1, n\]\), got shape \[2, 1\]"),
     ],
     ids=["too-long", "memory", "max-batch", "max-length", "params", "seed-and-generator", "right-padding",
-         "mask-with-list", "bad-id-in-batch"],
+         "mask-with-list", "bad-id-in-batch", "lone-processor", "no-proposers", "float-padding", "2-d-padding"],
 )
 def test_bad_engine_input_is_refused_before_any_work(llama_tiny, call, error, message):
     engine = Engine(llama_tiny, max_length=64)
@@ -321,7 +330,10 @@ class BrokenSource:
     (lambda: BrokenSource(when=3), "a bug in the user's draft source"),
     (lambda: BrokenSource(token=10**6), r"draft source 'broken' proposed token id 1000000, outside the model's "
                                         r"vocabulary \[0, "),
-], ids=["raises", "token-outside-the-vocabulary"])
+    # True == 1 passed the vocabulary check, and the step then committed token 1 whatever the model predicted.
+    (lambda: BrokenSource(token=True), r"draft source 'broken' proposed True \(bool\), not a token id"),
+    (lambda: BrokenSource(token=3.0), r"draft source 'broken' proposed 3.0 \(float\), not a token id"),
+], ids=["raises", "token-outside-the-vocabulary", "bool-token", "float-token"])
 def test_a_request_whose_draft_source_fails_ends_alone_and_the_others_stay_exact(llama_tiny, source, error):
     """Proposing runs before the step's forward, for every request together: a failing source had failed every
     step of the engine (its drafts are checked before they reach the model's embedding)."""
@@ -339,6 +351,98 @@ def test_a_request_whose_draft_source_fails_ends_alone_and_the_others_stay_exact
     expected = reference_greedy(llama_tiny, prompts[1].view(1, -1), 20, eos_token_id=[])[0, prompts[1].numel():]
     assert outputs[ids[1]] == expected.tolist()
     assert not engine.has_unfinished() and engine.running() == 0
+
+
+def test_numpy_token_ids_from_a_draft_source_are_taken_as_ints(llama_tiny):
+    import numpy as np
+
+    prompt = prompts_of([9], seed=13)[0]
+    expected = reference_greedy(llama_tiny, prompt.view(1, -1), 16, eos_token_id=[])[0, prompt.numel():].tolist()
+    engine = Engine(llama_tiny, max_batch=1)
+    rid = engine.add_request(prompt, RequestParams(max_new_tokens=16, eos_token_id=[], config=LookaheadConfig(),
+                                                   proposers=[BrokenSource(token=np.int64(expected[1]))]))
+    outputs: dict[int, list[int]] = {}
+    errors: dict[int, Exception] = {}
+    _run(engine, {rid: prompt}, outputs, errors)
+    assert errors == {} and outputs[rid] == expected and all(type(t) is int for t in outputs[rid])
+
+
+class CallsEngine:
+    """A stopping criterion that calls `action(engine)` at its `when`-th call, and stops nothing."""
+
+    def __init__(self, engine: Engine, action, when: int) -> None:
+        self.engine, self.action, self.calls, self.when = engine, action, 0, when
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == self.when:
+            self.action(self.engine)
+        return False
+
+
+@pytest.mark.parametrize("action", [lambda e: e.abort(0), lambda e: e.abort(1), lambda e: e.finish(2),
+                                    lambda e: e.step()], ids=["abort-other", "abort-itself", "finish-other", "step"])
+def test_ending_requests_from_inside_a_step_is_refused_and_harms_no_other(llama_tiny, action):
+    """`abort` from a criterion run by `step` moved slots under the step's feet: other requests' caches were
+    written to the wrong slot, and later requests in those slots decoded from a stale prefix. Now the call
+    raises, ending the request whose criterion made it; every other request, and every later one, is exact."""
+    engine = Engine(llama_tiny, max_batch=4)
+    prompts = prompts_of([9, 5, 12, 7], seed=14)
+    ids = [engine.add_request(p, RequestParams(max_new_tokens=12, eos_token_id=[], config=LookaheadConfig(),
+                                               stopping_criteria=[CallsEngine(engine, action, 4)] if i == 1 else None))
+           for i, p in enumerate(prompts)]
+    outputs: dict[int, list[int]] = {}
+    errors: dict[int, Exception] = {}
+    _run(engine, dict(zip(ids, prompts)), outputs, errors)
+    assert list(errors) == [ids[1]] and isinstance(errors[ids[1]], RuntimeError)
+    assert "was called while Engine.step() runs" in str(errors[ids[1]])
+    later = prompts_of([6, 10, 8, 11], seed=15)
+    again = [engine.add_request(p, RequestParams(max_new_tokens=12, eos_token_id=[])) for p in later]
+    _run(engine, dict(zip(again, later)), outputs, errors)
+    for rid, prompt in [*zip(ids, prompts), *zip(again, later)]:
+        if rid != ids[1]:
+            expected = reference_greedy(llama_tiny, prompt.view(1, -1), 12, eos_token_id=[])[0, prompt.numel():]
+            assert outputs[rid] == expected.tolist(), rid
+    assert engine.store.lengths == [0] * 4
+
+
+class InterruptsOnce:
+    """A logits processor through which Ctrl-C arrives, at its `when`-th call."""
+
+    def __init__(self, when: int) -> None:
+        self.calls, self.when = 0, when
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == self.when:
+            raise KeyboardInterrupt
+        return scores
+
+
+def test_a_step_interrupted_while_committing_ends_the_requests_it_reached(llama_tiny):
+    """KeyboardInterrupt in the middle of committing a step (a notebook's interrupt in a user's processor):
+    the requests it had reached committed tokens that were never reported, with caches not kept. They had
+    decoded on from there, silently wrong; now they end with an error at the next step, and the others,
+    and later requests, stay exact."""
+    engine = Engine(llama_tiny, max_batch=3)
+    prompts = prompts_of([9, 5, 12], seed=16)
+    ids = [engine.add_request(p, RequestParams(max_new_tokens=12, eos_token_id=[], config=LookaheadConfig(),
+                                               logits_processor=[InterruptsOnce(3)] if i == 1 else None))
+           for i, p in enumerate(prompts)]
+    outputs: dict[int, list[int]] = {}
+    errors: dict[int, Exception] = {}
+    with pytest.raises(KeyboardInterrupt):
+        _run(engine, dict(zip(ids, prompts)), outputs, errors)
+    _run(engine, dict(zip(ids, prompts)), outputs, errors)  # the caller goes on stepping
+    assert sorted(errors) == ids[:2]
+    assert all("KeyboardInterrupt interrupted the step" in str(errors[rid]) for rid in ids[:2])
+    later = prompts_of([6, 10], seed=17)
+    again = [engine.add_request(p, RequestParams(max_new_tokens=12, eos_token_id=[])) for p in later]
+    _run(engine, dict(zip(again, later)), outputs, errors)
+    for rid, prompt in [(ids[2], prompts[2]), *zip(again, later)]:
+        expected = reference_greedy(llama_tiny, prompt.view(1, -1), 12, eos_token_id=[])[0, prompt.numel():]
+        assert outputs[rid] == expected.tolist(), rid
+    assert engine.store.lengths == [0] * 3 and not engine.has_unfinished()
 
 
 def test_a_failed_generate_ends_its_stream(llama_tiny):

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from lookahead import Corpus, LookaheadConfig, generate
 from lookahead.core.decoder import LookaheadDecoder
-from lookahead.core.drafts import Draft
 from lookahead.core.recycle import RECYCLED_DEPTH, RecycleProposer, SuccessorTable
 from lookahead.core.verify import top_tokens
 

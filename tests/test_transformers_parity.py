@@ -37,6 +37,9 @@ def generation_options() -> list[tuple[str, object]]:
         ("sequence_bias", [[[repeated], -50.0]]),
         ("repetition_penalty", 1.5),
         ("forced_eos_token_id", 3),
+        # transformers hands a decoder-only model's prompt to these as its "encoder" ids; they had been ignored
+        ("encoder_repetition_penalty", 1.8),
+        ("encoder_no_repeat_ngram_size", 1),
     ]
 
 
@@ -51,6 +54,16 @@ def test_the_processors_of_the_models_generation_config_apply_as_in_generate(con
         assert not torch.equal(expected, unconfigured), f"{name}={value!r} leaves generate's output as it was"
         out = generate(model, PROMPT, max_new_tokens=NEW, config=config, eos_token_id=eos)
         assert out.sequences.tolist() == expected.tolist(), f"{name}={value!r}"
+
+
+def test_a_length_penalty_without_stop_tokens_changes_nothing_as_in_generate():
+    """`exponential_decay_length_penalty` with `eos_token_id=[]` had raised transformers' "`eos_token_id` has to
+    be a list of positive integers" (an empty list becomes a float tensor); generate decodes on unchanged."""
+    model = make_tiny_model("llama")
+    options = dict(max_new_tokens=NEW, eos_token_id=[], exponential_decay_length_penalty=(2, 1.5))
+    with torch.inference_mode():
+        expected = model.generate(PROMPT, do_sample=False, **options)
+    assert generate(model, PROMPT, **options).sequences.tolist() == expected.tolist() == [PROMPT[0].tolist() + free_run()]
 
 
 def test_a_generation_config_asking_for_another_search_is_refused():
@@ -469,14 +482,19 @@ def test_options_that_are_no_generation_config_field_or_ask_for_another_search_a
         generate(model, PROMPT, max_new_tokens=2, no_such_option=1)
     with pytest.raises(TypeError, match="generation_config must be a transformers GenerationConfig or None, got dict"):
         generate(model, PROMPT, max_new_tokens=2, generation_config={"max_new_tokens": 2})
-    with pytest.raises(ValueError, match=r"num_beams=4 asks for a search lookahead does not decode with; leave it at 1"):
+    with pytest.raises(ValueError, match=r"num_beams=4 asks for a search, which lookahead does not do; leave it at 1"):
         generate(model, PROMPT, max_new_tokens=2, num_beams=4)
     with pytest.raises(ValueError, match=r"num_beams=4 \(generation config\) asks for a search"):
         generate(model, PROMPT, max_new_tokens=2, generation_config=GenerationConfig(num_beams=4))
     # Constrained beam search and other drafting had been ignored without a word: the output was plain greedy.
-    for option in ({"force_words_ids": [[99]]}, {"constraints": [object()]}, {"prompt_lookup_num_tokens": 10},
-                   {"use_mtp": True}, {"assistant_early_exit": 2}):
-        with pytest.raises(ValueError, match=f"{next(iter(option))}=.* asks for a search"):
+    for option, asks_for in [({"force_words_ids": [[99]]}, "a search"), ({"constraints": [object()]}, "a search"),
+                             ({"prompt_lookup_num_tokens": 10}, "drafting of another kind"),
+                             ({"use_mtp": True}, "drafting of another kind"),
+                             ({"assistant_early_exit": 2}, "drafting of another kind"),
+                             ({"watermarking_config": {"bias": 2.0}}, "watermarking"),
+                             # transformers rewrites the prompt's last token; it had been decoded unhealed
+                             ({"token_healing": True}, r"token healing .* model.heal_tokens\(input_ids, tokenizer\)")]:
+        with pytest.raises(ValueError, match=f"{next(iter(option))}=.* asks for {asks_for}"):
             generate(model, PROMPT, max_new_tokens=2, **option)
 
 

@@ -31,7 +31,7 @@ from .core.suffix import Corpus
 from .costs import CostCurve, batch_cost_curve
 from .hf import HFModelRunner, available_memory, check_model, context_length, is_sharded, vocabulary_size
 from .runtime.batch import StepInput, causal_step, pack_steps
-from .sampling import DecodingOptions, check_decoding_options, decoding_rule, with_model_defaults
+from .sampling import DecodingOptions, _shown, check_decoding_options, decoding_rule, list_of, with_model_defaults
 
 # Rows a step may feed per sequence beyond its committed tokens: the store keeps this much room past
 # `max_length` so that every step, padding included, is written in place: the window's rows and as many drafts.
@@ -152,7 +152,8 @@ class StepOutput:
     tokens: list[int]  # committed by this step (after a stop token: none)
     finished: bool
     stats: GenerationStats | None = None  # the request's, once finished
-    error: Exception | None = None  # what ended it early: its decoding rule raised (e.g. a logits processor)
+    error: Exception | None = None  # what ended it early: its decoding rule raised (e.g. a logits processor),
+    # or an interrupted step (KeyboardInterrupt) lost the tokens it had committed
     scores: torch.Tensor | None = None  # RequestParams.output_scores: [len(tokens), vocab], a row per token
     logits: torch.Tensor | None = None  # RequestParams.output_logits: the same, of the raw logits
 
@@ -220,6 +221,9 @@ class Engine:
         self._slots: list[_Request | None] = [None] * max_batch
         self._next_id = 0
         self._proposal_errors: dict[int, Exception] = {}  # this step's requests whose draft sources failed
+        # Requests whose tokens an interrupted step committed but never reported: they end at the next step.
+        self._interrupted: dict[int, BaseException] = {}
+        self._stepping = False
 
     def warm_up(self) -> None:
         """With compile=True, compile now the step shapes this engine will meet (`HFModelRunner.warm_up`: a
@@ -248,8 +252,8 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator().manual_seed(int(params.seed))
         stops = eos_ids(self.model, params.eos_token_id, params.generation_config)
-        padding = torch.as_tensor(padding, dtype=torch.long).view(-1).cpu()
-        rule = decoding_rule(self.model, params.decoding(generator), padding.numel() + prompt.numel(),
+        padding = _checked_padding(padding)
+        rule = decoding_rule(self.model, params.decoding(generator), torch.cat([padding, prompt]),
                              params.max_new_tokens, stops, padding.numel())
         transform = rule.transform
         if transform is not None and padding.numel():
@@ -284,6 +288,7 @@ class Engine:
         """End a running request now, as if it had stopped after its first `tokens` new tokens (None: all it
         has): a rule of the caller's own met (a stop string). Its text goes into its corpus, as a finished
         request's does; a request still waiting is dropped. False if unknown."""
+        self._refuse_during_step("finish")
         request = self._holding(request_id)
         if request is None:
             return self.abort(request_id)
@@ -294,6 +299,7 @@ class Engine:
 
     def abort(self, request_id: int) -> bool:
         """Drop a request, waiting or running; its slot is free for the next step. False if unknown."""
+        self._refuse_during_step("abort")
         for request in self._waiting:
             if request.id == request_id:
                 self._waiting.remove(request)
@@ -303,13 +309,33 @@ class Engine:
             self._free(request)
         return request is not None
 
+    def _refuse_during_step(self, method: str) -> None:
+        """Slots move when a request leaves; in the middle of a step, the step's own bookkeeping would then
+        write other requests' caches."""
+        if self._stepping:
+            raise RuntimeError(f"Engine.{method}() was called while Engine.step() runs (from a logits processor, a "
+                               "stopping criterion, a draft source or another thread): call it between steps")
+
     def _holding(self, request_id: int) -> _Request | None:
         """The request of this id if it holds a slot."""
         return next((r for r in self._slots if r is not None and r.id == request_id), None)
 
     def step(self) -> list[StepOutput]:
         """Admit waiting requests to free slots, feed a chunk of the joining prompts, and decode one step
-        of every request whose prompt is in; what each request committed."""
+        of every request whose prompt is in; what each request committed. Not re-entrant, nor thread-safe:
+        one thread steps the engine and adds or ends requests between steps."""
+        self._refuse_during_step("step")
+        self._stepping = True
+        try:
+            interrupted = [StepOutput(r.id, [], True, error=self._interrupted.pop(r.id)) for r in self._slots
+                           if r is not None and r.id in self._interrupted]
+            for output in interrupted:
+                self._free(self._holding(output.request_id))
+            return interrupted + self._step()
+        finally:
+            self._stepping = False
+
+    def _step(self) -> list[StepOutput]:
         self._laps("other")
         self._admit()
         decoding = self._decoding()
@@ -350,35 +376,45 @@ class Engine:
         # Rows the forward computed for decoding (ragged: each sequence's own; padded: every row).
         self.stats.tokens_fed += sum(decoded) if self.runner.ragged else len(decoded) * batch.height
         outputs, kept, failed, committed = [], [], {}, 0
-        for row, (request, plan) in enumerate(zip(decoding, plans)):
-            pick = batch.picks[row]
-            if request.id in self._proposal_errors:
-                failed[request.id] = self._proposal_errors.pop(request.id)
-                outputs.append([request, [], True, None, None])
-                continue
-            try:
-                result = request.decoder.update(plan, logits.of(row, pick))
-                tokens, finished = self._stop(request, result.tokens)
-            except Exception as error:  # noqa: BLE001 - its own rules (a user's processor or criterion) failed: it alone ends
-                failed[request.id] = error
-                outputs.append([request, [], True, None, None])
-                continue
-            committed += len(result.tokens)
-            request.stats.steps += 1
-            request.stats.tokens_fed += plan.layout.size
-            request.stats.accepted_per_step.append(len(tokens))
-            kept_scores = (result.scores[: len(tokens)] if request.params.output_scores else None,
-                           result.logits[: len(tokens)] if request.params.output_logits else None)
-            outputs.append([request, tokens, finished, *kept_scores])
-            if not finished:
-                kept.append((request.slot, result.kept_rows))
-        self._laps("verify")
-        # A compiling step says nothing of a step's price, nor does one that also fed prompt chunks.
-        if priced and len(self.runner.compile_seconds) == compiled and not chunks:
-            self.prices.record(len(decoding), batch.height, forward, time.perf_counter() - started - forward,
-                               drafted, committed, offered)
-        for slot, rows in kept:
-            self.store.keep(slot, rows)
+        try:
+            for row, (request, plan) in enumerate(zip(decoding, plans)):
+                pick = batch.picks[row]
+                if request.id in self._proposal_errors:
+                    failed[request.id] = self._proposal_errors.pop(request.id)
+                    outputs.append([request, [], True, None, None])
+                    continue
+                try:
+                    result = request.decoder.update(plan, logits.of(row, pick))
+                    tokens, finished = self._stop(request, result.tokens)
+                except Exception as error:  # noqa: BLE001 - its own rules (a user's processor or criterion) failed: it alone ends
+                    failed[request.id] = error
+                    outputs.append([request, [], True, None, None])
+                    continue
+                committed += len(result.tokens)
+                request.stats.steps += 1
+                request.stats.tokens_fed += plan.layout.size
+                request.stats.accepted_per_step.append(len(tokens))
+                kept_scores = (result.scores[: len(tokens)] if request.params.output_scores else None,
+                               result.logits[: len(tokens)] if request.params.output_logits else None)
+                outputs.append([request, tokens, finished, *kept_scores])
+                if not finished:
+                    kept.append((request.slot, result.kept_rows))
+            self._laps("verify")
+            # A compiling step says nothing of a step's price, nor does one that also fed prompt chunks.
+            if priced and len(self.runner.compile_seconds) == compiled and not chunks:
+                self.prices.record(len(decoding), batch.height, forward, time.perf_counter() - started - forward,
+                                   drafted, committed, offered)
+            for slot, rows in kept:
+                self.store.keep(slot, rows)
+        except BaseException as interruption:  # KeyboardInterrupt in a user's criterion, say (an Exception ends its
+            # request alone, above): the requests this step had reached committed tokens that go unreported, and
+            # their caches may not match; they end at the next step, the others decode on untouched.
+            lost = RuntimeError(f"{type(interruption).__name__} interrupted the step committing this request's "
+                                "tokens; they were lost with it")
+            reached = [output[0] for output in outputs] + decoding[len(outputs) : len(outputs) + 1]  # + the one it was in
+            for request in reached:
+                self._interrupted[request.id] = failed.get(request.id, lost)
+            raise
         self._laps("commit")
         self.stats.accepted_per_step.append(sum(len(output[1]) for output in outputs))
         self.stats.new_tokens += self.stats.accepted_per_step[-1]
@@ -515,6 +551,7 @@ class Engine:
         """Release the request's slot; the highest occupied slot moves down into it, so that the decoding
         requests keep to the first slots and a step reads the store without gathering."""
         slot = request.slot
+        self._interrupted.pop(request.id, None)
         self._slots[slot] = None
         self.store.release(slot)
         last = max((i for i, r in enumerate(self._slots) if r is not None), default=-1)
@@ -537,6 +574,19 @@ def _check_memory(runner: HFModelRunner, slots: int, capacity: int) -> None:
             f"the KV store for max_batch={slots} sequences of up to {capacity} positions needs "
             f"{needed / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on {runner.device}; "
             "lower max_batch or max_length")
+
+
+def _checked_padding(padding: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """`add_request`'s padding as a 1-D long tensor; ValueError for anything but token ids in a row."""
+    try:
+        tensor = torch.as_tensor(padding)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"padding must be token ids (a list of ints or an integer tensor), got {padding!r}") from error
+    if tensor.numel() and (tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"padding must hold integer token ids, got dtype {tensor.dtype}")
+    if tensor.dim() > 1 and not (tensor.dim() == 2 and tensor.shape[0] == 1):
+        raise ValueError(f"padding must be one row ([n] or [1, n]), got shape {list(tensor.shape)}")
+    return tensor.to(torch.long).view(-1).cpu()
 
 
 def _behind_padding(padding: torch.Tensor, transform: LogitsTransform) -> LogitsTransform:
@@ -629,15 +679,13 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {params.seed!r}")
         if params.generator is not None:
             raise ValueError("give a request seed or a generator, not both")
-    criteria = params.stopping_criteria or ()
-    if callable(criteria) or not isinstance(criteria, Iterable) or isinstance(criteria, (str, bytes)) or not all(
-            map(callable, criteria)):
+    if not list_of(params.stopping_criteria or (), callable):
         raise TypeError("stopping_criteria must be a list of transformers StoppingCriteria (callables of "
-                        f"(input_ids, scores) returning a bool or a bool tensor), got {criteria!r}")
-    if not all(callable(getattr(p, "propose", None)) and callable(getattr(p, "observe", None))
-               for p in params.proposers):
-        raise TypeError("proposers must be draft sources with propose(text, limit) and observe(text, new) "
-                        "(lookahead.core.drafts.Proposer)")
+                        f"(input_ids, scores) returning a bool or a bool tensor), got {params.stopping_criteria!r}")
+    if not list_of(params.proposers, lambda p: callable(getattr(p, "propose", None))
+                   and callable(getattr(p, "observe", None))):
+        raise TypeError("proposers must be a list of draft sources with propose(text, limit) and observe(text, new) "
+                        f"(lookahead.core.drafts.Proposer), got {_shown(params.proposers)}")
     for name in ("output_scores", "output_logits"):
         if not isinstance(getattr(params, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(params, name)!r}")

@@ -118,7 +118,7 @@ def generate(
     settings = _generation_config(model, generation_config, generation_options)
     criteria = _stopping_criteria(settings, stop_strings, tokenizer, stopping_criteria)
     eos_token_id = stop_token_list(eos_token_id)  # a generator of them read once, here
-    _check_callers_objects(streamer, logits_processor, packed_linear)
+    _check_callers_objects(streamer, packed_linear)
     prompts, layout = _prompts(input_ids, attention_mask, _inferred_padding(model, settings, eos_token_id,
                                                                             pad_token_id))
     width = layout.shape[1] if layout is not None else max(len(prompt) for prompt in prompts)
@@ -343,14 +343,10 @@ def _integer(value: object) -> object:
         return value
 
 
-def _check_callers_objects(streamer, logits_processor, packed_linear) -> None:
+def _check_callers_objects(streamer, packed_linear) -> None:
     """Raise, naming the argument, for objects of the wrong kind that would otherwise fail deep inside."""
     if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
         raise TypeError(f"streamer must be a transformers streamer (with put() and end()), got {type(streamer).__name__}")
-    if logits_processor is not None and (callable(logits_processor) and not isinstance(logits_processor, list)
-                                         or not isinstance(logits_processor, Iterable)):
-        raise TypeError("logits_processor must be a list of transformers LogitsProcessor (a LogitsProcessorList "
-                        f"too), got {type(logits_processor).__name__}")
     if packed_linear is not None and not isinstance(packed_linear, bool):
         raise TypeError(f"packed_linear must be True, False or None, got {packed_linear!r}")
 

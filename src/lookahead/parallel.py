@@ -81,7 +81,7 @@ def parallel_generate(
     stops = eos_ids(model, eos_token_id)
     options = DecodingOptions(do_sample, temperature, top_k, top_p, repetition_penalty, None,
                               torch.Generator().manual_seed(seed))
-    rule = decoding_rule(model, options, prompt.numel(), max_new_tokens, stops)
+    rule = decoding_rule(model, options, prompt, max_new_tokens, stops)
     _check_same_call(group, device, prompt, max_new_tokens, config, sorted(stops),
                      [do_sample, temperature, top_k, top_p, repetition_penalty, seed])
 

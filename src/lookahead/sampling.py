@@ -10,6 +10,8 @@ from typing import TypeVar
 
 import torch
 from transformers import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
     EpsilonLogitsWarper,
     EtaLogitsWarper,
     ExponentialDecayLengthPenalty,
@@ -48,11 +50,16 @@ GENERATE_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_
 UNSUPPORTED_CONFIG = {"num_beams": 1, "penalty_alpha": None, "dola_layers": None, "guidance_scale": 1,
                       "watermarking_config": None, "num_return_sequences": 1, "force_words_ids": None,
                       "constraints": None, "prompt_lookup_num_tokens": None, "assistant_early_exit": None,
-                      "use_mtp": None}
+                      "use_mtp": None, "token_healing": False}
 # What to do instead of an option refused there, where there is something.
 _INSTEAD = {"num_return_sequences": " (for several samples of a prompt, pass it several times in a list of prompts "
                                     "with do_sample=True: each row draws its own)",
-            "prompt_lookup_num_tokens": " (lookahead's suffix source drafts from the prompt already)"}
+            "prompt_lookup_num_tokens": " (lookahead's suffix source drafts from the prompt already)",
+            "token_healing": " (heal the prompt first: model.heal_tokens(input_ids, tokenizer))"}
+# What an option refused there asks for, where it is not a search.
+_ASKS_FOR = {"prompt_lookup_num_tokens": "drafting of another kind", "assistant_early_exit": "drafting of another kind",
+             "use_mtp": "drafting of another kind", "watermarking_config": "watermarking",
+             "token_healing": "token healing (a rewritten prompt)"}
 
 
 def unsupported_option(get: Callable[[str], object]) -> tuple[str, object] | None:
@@ -67,8 +74,8 @@ def unsupported_option(get: Callable[[str], object]) -> tuple[str, object] | Non
 
 def unsupported_search(name: str, value: object, where: str = "") -> ValueError:
     """The refusal of an option `unsupported_option` found (`where`: where it was set, as said after it)."""
-    return ValueError(f"{name}={value!r}{where} asks for a search lookahead does not decode with; leave it at "
-                      f"{UNSUPPORTED_CONFIG[name]!r}{_INSTEAD.get(name, '')}")
+    return ValueError(f"{name}={value!r}{where} asks for {_ASKS_FOR.get(name, 'a search')}, which lookahead does not "
+                      f"do; leave it at {UNSUPPORTED_CONFIG[name]!r}{_INSTEAD.get(name, '')}")
 
 
 @dataclass(frozen=True)
@@ -96,11 +103,11 @@ class DecodingOptions:
         return model.generation_config if self.generation_config is None else self.generation_config
 
 
-def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt_length: int, max_new_tokens: int,
+def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt: torch.Tensor, max_new_tokens: int,
                   eos: Sequence[int], padding: int = 0) -> DecodingRule:
-    """Validate the options and build the processors `generate` would for a prompt of `prompt_length` tokens
-    (the first `padding` of them a batch row's left padding) stopping at `eos`, in transformers' order: those
-    the model's generation config asks for (sequence bias, repetition penalty, no-repeat n-grams, bad words,
+    """Validate the options and build the processors `generate` would for the prompt's token ids (`[n]`, the
+    first `padding` of them a batch row's left padding) stopping at `eos`, in transformers' order: those
+    the model's generation config asks for (sequence bias, repetition penalties, no-repeat n-grams, bad words,
     minimum lengths, the prefix constraint, forced tokens, suppressed tokens), the
     user's processors (one of the same type as one of those replacing it, as in `generate`), then (sampling
     only) temperature, top-k, top-p and the other warpers the config sets, and last the config's
@@ -117,7 +124,7 @@ def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt_lengt
     temperature = resolved("temperature", options.temperature)
     sampling = options.do_sample and temperature != 0
     processors = LogitsProcessorList(merged_by_type(
-        _config_processors(config, resolved("repetition_penalty", options.repetition_penalty), prompt_length,
+        _config_processors(config, resolved("repetition_penalty", options.repetition_penalty), prompt,
                            max_new_tokens, list(eos), model.device, padding, options.prefix_allowed_tokens_fn),
         options.logits_processor or []))
     if sampling:
@@ -145,6 +152,19 @@ def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt_lengt
     return DecodingRule(choose, processors or None)
 
 
+def list_of(values: object, valid: Callable[[object], bool]) -> bool:
+    """Whether `values` is a list or tuple whose items all pass `valid`; not a lone item (a callable), a string,
+    nor an iterator, which checking it would use up."""
+    return isinstance(values, Sequence) and not isinstance(values, (str, bytes)) and all(map(valid, values))
+
+
+def _shown(value: object) -> str:
+    """A refused value in an error message: its type, and its items' types where it is a list."""
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {sorted({type(item).__name__ for item in value})}"
+    return type(value).__name__
+
+
 def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> None:
     """Raise ValueError, naming the option and what is allowed, for decoding options `decoding_rule` cannot
     follow; no side effects (nothing is drawn from the generator)."""
@@ -158,8 +178,9 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
         raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
     if options.generator is not None and not isinstance(options.generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(options.generator).__name__}")
-    if options.logits_processor is not None and not all(callable(p) for p in options.logits_processor):
-        raise ValueError("logits_processor must be a list of transformers LogitsProcessor (callables)")
+    if options.logits_processor is not None and not list_of(options.logits_processor, callable):
+        raise TypeError("logits_processor must be a list of transformers LogitsProcessor (a LogitsProcessorList "
+                        f"too), got {_shown(options.logits_processor)}")
     if options.prefix_allowed_tokens_fn is not None and not callable(options.prefix_allowed_tokens_fn):
         raise ValueError("prefix_allowed_tokens_fn must be a callable (batch_id, input_ids) -> allowed token ids, "
                          f"got {type(options.prefix_allowed_tokens_fn).__name__}")
@@ -167,6 +188,7 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
         raise TypeError(f"generation_config must be a transformers GenerationConfig or None, got "
                         f"{type(options.generation_config).__name__}")
     config = options.config(model)
+    _check_number("encoder_repetition_penalty", config.encoder_repetition_penalty, lambda v: v > 0, "a number > 0")
     found = unsupported_option(lambda name: getattr(config, name, None))
     if found is not None:
         name, value = found
@@ -195,21 +217,30 @@ def merged_by_type(built: Sequence[Listed], given: Sequence[Listed]) -> list[Lis
     return merged + [g for g in given if not any(g is m for m in merged)]
 
 
-def _config_processors(config: GenerationConfig, repetition_penalty: float, prompt_length: int,
+def _config_processors(config: GenerationConfig, repetition_penalty: float, prompt: torch.Tensor,
                        max_new_tokens: int, eos: list[int], device: torch.device, padding: int = 0,
                        prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None
                        ) -> LogitsProcessorList:
     """The processors `generate` applies for the model's generation config, before the user's (transformers
-    5's `_get_logits_processor`, for a decoder-only model fed input ids; the length options counted as
-    `generate` counts them: min_new_tokens overrides min_length, max_length is the prompt plus max_new_tokens;
-    the repetition penalty skips the `padding`, as `generate` has it skip a row's by its attention mask)."""
+    5's `_get_logits_processor`, for a decoder-only model fed input ids, which are also its "encoder" ids; the
+    length options counted as `generate` counts them: min_new_tokens overrides min_length, max_length is the
+    prompt plus max_new_tokens; the repetition penalty skips the `padding`, as `generate` has it skip a row's by
+    its attention mask)."""
     processors = LogitsProcessorList()
+    prompt_length = prompt.numel()
+    encoder_ids = prompt.view(1, -1).to(device)
+    takes_encoder_ids = not bool((encoder_ids < 0).any())  # generate ignores these options for negative ids
     if config.sequence_bias is not None:
         processors.append(SequenceBiasLogitsProcessor(config.sequence_bias))
+    if takes_encoder_ids and config.encoder_repetition_penalty not in (None, 1.0):
+        processors.append(EncoderRepetitionPenaltyLogitsProcessor(float(config.encoder_repetition_penalty),
+                                                                  encoder_ids))
     if repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty, prompt_ignore_length=padding or None))
     if config.no_repeat_ngram_size:
         processors.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
+    if takes_encoder_ids and config.encoder_no_repeat_ngram_size:
+        processors.append(EncoderNoRepeatNGramLogitsProcessor(config.encoder_no_repeat_ngram_size, encoder_ids))
     if config.bad_words_ids is not None:
         processors.append(NoBadWordsLogitsProcessor(config.bad_words_ids, eos or None))
     min_length = prompt_length + config.min_new_tokens if config.min_new_tokens is not None else config.min_length
@@ -227,7 +258,9 @@ def _config_processors(config: GenerationConfig, repetition_penalty: float, prom
     if config.remove_invalid_values is True:
         processors.append(InfNanRemoveLogitsProcessor())
     if config.exponential_decay_length_penalty is not None:
-        processors.append(ExponentialDecayLengthPenalty(config.exponential_decay_length_penalty, eos, prompt_length))
+        # eos as a long tensor: a list, empty, becomes a float tensor, which the processor refuses
+        processors.append(ExponentialDecayLengthPenalty(config.exponential_decay_length_penalty,
+                                                        torch.tensor(eos, dtype=torch.long), prompt_length))
     if config.suppress_tokens is not None:
         processors.append(SuppressTokensLogitsProcessor(config.suppress_tokens, device=device))
     if config.begin_suppress_tokens is not None:

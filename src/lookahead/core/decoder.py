@@ -6,6 +6,8 @@ Framework-free: the caller runs the model on `StepPlan.tokens` at `last_position
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -125,11 +127,9 @@ class LookaheadDecoder:
         drafts = []
         for index, proposer in enumerate(self.proposers):
             proposed = proposer.propose(self.sequence, limit)
-            if index >= self._own_sources and self.vocabulary is not None:  # a caller's: its tokens reach the model
-                outside = [t for d in proposed for t in d.tokens if not 0 <= t < self.vocabulary]
-                if outside:
-                    raise ValueError(f"draft source {getattr(proposer, 'name', type(proposer).__name__)!r} proposed "
-                                     f"token id {outside[0]}, outside the model's vocabulary [0, {self.vocabulary})")
+            if index >= self._own_sources:  # a caller's: its tokens reach the model
+                proposed = [_checked_draft(d, getattr(proposer, "name", type(proposer).__name__), self.vocabulary)
+                            for d in proposed]
             drafts += proposed
         return Proposal(drafts, rank_nodes(drafts, self.stats, MAX_TREE_NODES if self.cost else None))
 
@@ -263,3 +263,16 @@ def _path_tokens(tokens: list[int], parents: tuple[int, ...], node: int) -> list
         path.append(tokens[node])
         node = parents[node]
     return path[::-1]
+
+
+def _checked_draft(draft: Draft, source: str, vocabulary: int | None) -> Draft:
+    """A caller's draft with its tokens as ints: a bool (True == 1) or a float would reach the model as another
+    token than the one verified against it."""
+    for token in draft.tokens:
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise ValueError(f"draft source {source!r} proposed {token!r} ({type(token).__name__}), not a token id "
+                             "(an int)")
+        if vocabulary is not None and not 0 <= token < vocabulary:
+            raise ValueError(f"draft source {source!r} proposed token id {token}, outside the model's vocabulary "
+                             f"[0, {vocabulary})")
+    return dataclasses.replace(draft, tokens=tuple(int(token) for token in draft.tokens))
