@@ -406,6 +406,27 @@ def test_ending_requests_from_inside_a_step_is_refused_and_harms_no_other(llama_
     assert engine.store.lengths == [0] * 4
 
 
+def test_finish_keeps_the_tokens_asked_for_and_refuses_a_count_it_does_not_have(llama_tiny):
+    """`finish(rid, k)` ends a request as if it had stopped after k new tokens (a stop string the caller
+    found): its corpus gets the prompt and those k. A negative k had cut tokens from the end instead."""
+    from lookahead import Corpus
+
+    corpus = Corpus()
+    engine = Engine(llama_tiny, max_batch=1)
+    prompt = prompts_of([9], seed=18)[0]
+    rid = engine.add_request(prompt, RequestParams(max_new_tokens=20, eos_token_id=[], corpus=corpus))
+    generated: list[int] = []
+    while len(generated) < 5:
+        generated += engine.step()[0].tokens
+    for bad in (-1, len(generated) + 1, 2.0, True):
+        with pytest.raises(ValueError, match=rf"tokens must be an integer in \[0, {len(generated)}\]"):
+            engine.finish(rid, bad)
+    assert engine.running() == 1 and len(corpus) == 0  # a refused call changes nothing
+    assert engine.finish(rid, 3) and engine.running() == 0 and not engine.has_unfinished()
+    assert len(corpus) == 1 and corpus.tokens == 1 + prompt.numel() + 3  # a separator, the prompt, 3 tokens
+    assert not engine.finish(rid, 3)  # unknown now
+
+
 class InterruptsOnce:
     """A logits processor through which Ctrl-C arrives, at its `when`-th call."""
 

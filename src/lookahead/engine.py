@@ -293,6 +293,10 @@ class Engine:
         if request is None:
             return self.abort(request_id)
         if tokens is not None:
+            if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or not (
+                    0 <= tokens <= len(request.generated)):
+                raise ValueError(f"tokens must be an integer in [0, {len(request.generated)}] (the new tokens request "
+                                 f"{request_id} has) or None, got {tokens!r}")
             del request.generated[tokens:]
         self._finish(request)
         return True
