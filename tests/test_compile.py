@@ -331,6 +331,19 @@ def test_a_curve_stored_while_the_machine_was_busy_is_measured_again(llama_tiny,
     assert json.loads(path.read_text())["plain"] == [13.5, 15.0, 27.0, 30.0]
 
 
+def test_a_measurement_says_so_on_stderr_and_a_stored_one_does_not(llama_tiny, costs, tmp_path, capsys):
+    """A first call sat silent while it timed the model's steps (over two minutes on a busy 2-core machine): a
+    new user took it for frozen. Now one line says what is timed and where it is kept; a later process reads the
+    file and says nothing."""
+    runner = HFModelRunner(llama_tiny, packed_linear=False)
+    costs.cost_curve(runner)
+    assert capsys.readouterr().err == (f"lookahead: timing this model's steps on cpu, once; kept in "
+                                       f"{tmp_path.resolve() / 'costs'}\n")
+    costs._MEASURED.clear()  # another process
+    costs.cost_curve(runner)
+    assert capsys.readouterr().err == ""
+
+
 def test_stored_batch_curves_are_checked_against_one_probe_per_process(llama_tiny, costs, tmp_path, monkeypatch):
     """A batch curve keeps the one-row step of one sequence timed in its rounds; a process times that step
     once (or takes it from the curve it has just measured) and measures again each batch curve stored with

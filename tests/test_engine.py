@@ -47,6 +47,9 @@ def test_every_sequence_of_a_batch_is_its_own_greedy_output(tiny_model, config):
     new_tokens = [s.new_tokens for s in out.stats.per_sequence]
     assert new_tokens[3] <= 12 and max(new_tokens) > new_tokens[3]  # one stopped mid-batch, others went on
     assert out.stats.new_tokens == sum(new_tokens)
+    # each row's forwards are those it was in (they had read 0.0): shared, so none above the call's
+    forwards = [s.forward_seconds for s in out.stats.per_sequence]
+    assert 0 < min(forwards) and max(forwards) <= out.stats.forward_seconds and forwards[3] < max(forwards)
 
 
 def test_acceptance_stats_outlive_a_call_and_never_change_its_output(llama_tiny, monkeypatch):

@@ -270,6 +270,16 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
         ("chat", {"model": MODEL, "messages": [{"role": 1, "content": "hi"}]}, 400, "'user'", "messages[0].role"),
         ("chat", {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400,
          "Input should be 'system', 'developer', 'user', 'assistant', 'tool' or 'function'", "messages[0].role"),
+        # Unknown fields had been ignored: a misspelt max_tokens left the reply uncapped, vLLM's guided decoding
+        # gave unconstrained text.
+        ("chat", {"model": MODEL, "messages": HI, "max_token": 5}, 400,
+         "unrecognized request field 'max_token' (this server takes OpenAI's chat completions fields", "max_token"),
+        ("completions", {"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, 400,
+         "unrecognized request field 'guided_json' (this server takes OpenAI's text completions fields", "guided_json"),
+        ("chat", {"model": MODEL, "messages": HI, "suffix": "bye"}, 400, "unrecognized request field 'suffix'",
+         "suffix"),
+        ("completions", {"model": MODEL, "prompt": "hi", "response_format": {"type": "text"}}, 400,
+         "unrecognized request field 'response_format'", "response_format"),
     ],
     ids=["no-messages", "messages-not-a-list", "n=2", "negative-max-tokens", "unknown-model", "oversized-messages",
          "oversized-prompt", "max-tokens-past-max-length", "max-completion-tokens-past-max-length", "bad-lookahead",
@@ -282,7 +292,8 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
          "completion-logprobs", "suffix", "best-of", "completion-max-completion-tokens", "stream-a-string",
          "temperature-a-boolean", "n-a-float", "include-usage-a-number", "stop-list-with-a-number", "seventeen-stops",
          "stop-of-1001-characters",
-         "lookahead-window-a-string", "role-a-number", "unknown-role"],
+         "lookahead-window-a-string", "role-a-number", "unknown-role", "misspelt-field", "vllm-guided-json",
+         "chat-suffix", "completion-response-format"],
 )
 def test_bad_requests_get_openai_errors_naming_the_field_and_the_server_keeps_serving(server, path, body, status,
                                                                                      words, param):
@@ -317,12 +328,32 @@ def test_fields_that_ask_for_nothing_more_are_accepted(server):
     url, _ = server
     harmless = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
                 "response_format": {"type": "text"}, "presence_penalty": 0, "frequency_penalty": 0.0,
-                "logit_bias": {}, "user": "someone", "metadata": {"a": "b"}}
+                "logit_bias": {}, "user": "someone", "metadata": {"a": "b"}, "store": False, "service_tier": "auto",
+                "safety_identifier": "x", "prompt_cache_key": "k", "parallel_tool_calls": True,
+                "prediction": {"type": "content", "content": "Hello"}}
     code, reply = raw(f"{url}/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 1, **harmless})
     assert code == 200 and reply["usage"]["completion_tokens"] == 1
     code, reply = raw(f"{url}/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "echo": False,
-                                                "best_of": 1, "suffix": ""})
+                                                "best_of": 1, "suffix": "", "user": "someone"})
     assert code == 200 and reply["usage"]["completion_tokens"] == 1
+
+
+def test_replies_have_openais_shape_and_streams_pass_proxies_unbuffered(server):
+    """Choices carry `logprobs: null` when none were asked, chunks before the usage chunk `usage: null` (OpenAI's
+    shape); a stream says not to cache or buffer it, which a proxy such as nginx otherwise does."""
+    url, _ = server
+    for path, body in (("chat/completions", {"messages": HI}), ("completions", {"prompt": "Hi"})):
+        code, reply = raw(f"{url}/v1/{path}", {"model": MODEL, "max_tokens": 2, **body})
+        assert code == 200 and reply["choices"][0]["logprobs"] is None
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(
+        {"model": MODEL, "messages": HI, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+    ).encode(), headers={"Authorization": f"Bearer {KEYS[1]}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        headers, lines = response.headers, response.read().decode().splitlines()
+    assert headers["Cache-Control"] == "no-cache" and headers["X-Accel-Buffering"] == "no"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] <= 2
+    assert events[-1]["choices"] == [] and all(e["choices"][0]["logprobs"] is None for e in events[:-1])
 
 
 def test_text_parts_are_the_text_and_an_assistant_may_have_null_content(server):

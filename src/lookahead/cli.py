@@ -39,7 +39,13 @@ DtypeOption = Annotated[str, typer.Option("--dtype", help=(
 TopKOption = Annotated[Optional[int], typer.Option(help="Sampling: keep the k likeliest tokens (0: all).")]
 TopPOption = Annotated[Optional[float], typer.Option(help="Sampling: nucleus mass in (0, 1].")]
 CppWrapperOption = Annotated[bool, typer.Option("--cpp-wrapper", help="Compile (implies --compile) with the code that calls the kernels in C++: a few % faster steps, compiles up to 9x longer (cached on disk).")]
-SeedOption = Annotated[int, typer.Option(min=-2**63, max=2**64 - 1, help="Seed for sampling.")]  # torch's range
+def _seed(value: int) -> int:
+    if not -2**63 <= value < 2**64:  # torch's range (checked here: typer's min/max would print it in --help)
+        raise typer.BadParameter(f"must be in [-2**63, 2**64), got {value}")
+    return value
+
+
+SeedOption = Annotated[int, typer.Option(callback=_seed, help="Seed for sampling.")]
 
 
 def _fail(message: str) -> NoReturn:
@@ -267,7 +273,8 @@ def _root(
     """Lookahead decoding for Hugging Face causal LMs."""
 
 
-bench_app = typer.Typer(help="Benchmarks: methods side by side, the (W, N, G) sweep, the forward cost curve.")
+bench_app = typer.Typer(help="Benchmarks: methods side by side on a workload or at batch sizes; subcommands: the (W, N, G) "
+                             "sweep, the forward cost curve, a shared corpus, a server under load, lookahead parallelism.")
 app.add_typer(bench_app, name="bench")
 
 ThreadsOption = Annotated[Optional[int], typer.Option(min=1, help="torch threads (default: torch's choice).")]
@@ -510,7 +517,7 @@ def bench_command(
 
 @bench_app.command("sweep")
 def sweep_command(
-    dataset: Annotated[str, typer.Option()] = "mt_bench",
+    dataset: Annotated[str, typer.Option(help=f"One of {', '.join(BUILTIN)}, or a JSONL file (first turns).")] = "mt_bench",
     limit: Annotated[int, typer.Option(min=1, help="Most prompts, taken evenly from the categories.")] = 8,
     windows: Annotated[str, typer.Option(help="Comma list of W.")] = "1,3,5,8",
     ngrams: Annotated[str, typer.Option(help="Comma list of N.")] = "3,4,5",
@@ -556,7 +563,7 @@ def sweep_command(
 def cost_command(
     context: Annotated[int, typer.Option(min=1, help="Cached tokens before the step.")] = 256,
     max_k: Annotated[int, typer.Option(min=1, help="Largest k (powers of two up to it).")] = 128,
-    repeats: Annotated[int, typer.Option(min=1)] = 5,
+    repeats: Annotated[int, typer.Option(min=1, help="Rounds, each timing every k in turn (the fastest round of each k is kept).")] = 5,
     packed_linear: Annotated[Optional[bool], typer.Option(help="Prepacked linears (CPU: MKL or oneDNN) or not; default: the path generate takes on this machine (measured).")] = None,
     model: ModelOption = None,
     gguf_file: GgufOption = None,
@@ -802,7 +809,7 @@ def serve_command(
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on; 0: any free one (the line on stderr says which).")] = 8000,
     max_batch: Annotated[int, typer.Option(min=1, help="Requests decoded together (KV slots).")] = 8,
     max_queue: Annotated[int, typer.Option(min=0, help="Requests that may wait for a slot; more get 429.")] = 64,
     max_length: Annotated[Optional[int], typer.Option(min=2, help="Most positions of a request (default: the model's context, at most 4096).")] = None,

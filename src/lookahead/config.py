@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,3 +85,9 @@ def cache_root() -> Path:
     """Where dequantised models, cost curves, our kernels (and the tests' reference outputs) are cached, as an
     absolute path: $LOOKAHEAD_CACHE, or ~/.cache/lookahead where it is unset or empty (not the working folder)."""
     return Path(os.environ.get("LOOKAHEAD_CACHE") or Path.home() / ".cache" / "lookahead").expanduser().resolve()
+
+
+def notice(message: str) -> None:
+    """One line on stderr before a one-off wait (timing the model's steps, building our kernels): without it a
+    first call sits silent for seconds to minutes, and looks frozen."""
+    print(f"lookahead: {message}", file=sys.stderr, flush=True)

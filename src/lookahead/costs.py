@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from . import kernels
 from .attention import loaded_attention
 from .hf import HFModelRunner, UnsupportedModelError, context_length, is_sharded
-from .config import cache_root
+from .config import cache_root, notice
 from .runtime.batch import causal_step, pack_steps
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -223,13 +223,14 @@ def _seconds(runner: HFModelRunner, packers: Sequence[str | None], sizes: Sequen
 
 
 def _stored(path: Path, measure: Callable[[], dict], runner: HFModelRunner, valid: Callable[[dict], bool],
-            stale: Callable[[dict], bool] = lambda measured: False) -> dict:
+            stale: Callable[[dict], bool] = lambda measured: False, what: str = "steps") -> dict:
     """What `measure()` returns, measured once: kept in memory and on disk (written atomically), and measured
     again where what a process reads from disk is not `valid` (a file cut short, edited, of another layout)
     or is `stale`. One process measures a file at a time (a lock per file), the others then read it: two
     measuring at once would do the work twice, each timing its steps under the other's load. Not the ranks
     of a sharded model: each of its forwards is collective, so they measure together (and rank 0's curves
-    are used). A cache folder that cannot be written costs a warning: the times are kept in memory alone."""
+    are used). A cache folder that cannot be written costs a warning: the times are kept in memory alone. `what`:
+    what is timed, for the line said before it is."""
     key = path.stem
     if key in _MEASURED:
         return _MEASURED[key]
@@ -242,6 +243,7 @@ def _stored(path: Path, measure: Callable[[], dict], runner: HFModelRunner, vali
             if measured is not None and not valid(measured):
                 measured = None
             if measured is None or (not sharded and stale(measured)):
+                notice(f"timing this model's {what} on {runner.device}, once; kept in {path.parent}")
                 measured = measure()
                 partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
                 partial.write_text(json.dumps(measured))
@@ -381,7 +383,8 @@ def _path_curve(runner: HFModelRunner, sizes: Sequence[int], batch: int) -> Cost
                        lambda measured: (_curve_sizes(measured.get("sizes"))
                                          and _step_times(measured.get("seconds"), len(measured["sizes"]))
                                          and _step_times([measured.get("one_row")], 1)),
-                       lambda measured: _one_row_now(runner) < REMEASURE_BELOW * measured["one_row"])
+                       lambda measured: _one_row_now(runner) < REMEASURE_BELOW * measured["one_row"],
+                       f"{'compiled ' if runner.compile else ''}steps of {batch} sequence{'s' * (batch > 1)}")
     return CostCurve(measured["sizes"], measured["seconds"], runner.compiled_heights if runner.compile else ())
 
 

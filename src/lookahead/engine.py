@@ -64,7 +64,9 @@ class GenerationStats:
     steps: int = 0  # forward passes after the prompt's prefill
     new_tokens: int = 0
     seconds: float = 0.0
-    forward_seconds: float = 0.0  # inside the model's forward (prefill included); the rest is our overhead
+    # Inside the model's forward (prefill included); the rest is our overhead. A request's own (a batch's
+    # `per_sequence`, `StepOutput.stats`): the forwards it was in, each shared with the others in it.
+    forward_seconds: float = 0.0
     tokens_fed: int = 0  # tokens fed to the model over all steps (the per-step FLOPs budget)
     accepted_per_step: list[int] | deque[int] = field(default_factory=list, repr=False)
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted guess tokens per draft source
@@ -375,6 +377,8 @@ class Engine:
         self.stats.phase_seconds["forward"] = self.stats.phase_seconds.get("forward", 0.0) + forward
         self.stats.phase_seconds["inputs"] -= forward  # the lap ran the forward
         self.stats.steps += 1
+        for request in members:
+            request.stats.forward_seconds += forward
         self._prompts_fed(chunks)
         decoded = batch.sizes[: len(decoding)]
         # Rows the forward computed for decoding (ragged: each sequence's own; padded: every row).
@@ -532,7 +536,10 @@ class Engine:
         never kept)."""
         batch = pack_steps([r.slot for r, _ in chunks], [r.prefilled for r, _ in chunks],
                            [causal_step(r.prompt[r.prefilled : r.prefilled + c]) for r, c in chunks])
+        before = self.runner.forward_seconds
         self.runner.step_logits(self.store, batch)
+        for request, _ in chunks:
+            request.stats.forward_seconds += self.runner.forward_seconds - before
         self._prompts_fed(chunks)
 
     def _prompts_fed(self, chunks: list[tuple[_Request, int]]) -> None:
@@ -575,7 +582,8 @@ def _check_memory(runner: HFModelRunner, slots: int, capacity: int) -> None:
         free = available_memory()
     if needed > free:
         raise MemoryError(
-            f"the KV store for max_batch={slots} sequences of up to {capacity} positions needs "
+            f"the KV store for max_batch={slots} sequences of up to {capacity} positions (max_length and "
+            f"{STEP_ROOM} for a step's rows) needs "
             f"{needed / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on {runner.device}; "
             "lower max_batch or max_length")
 

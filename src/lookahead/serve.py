@@ -130,7 +130,8 @@ class StreamOptions(_Body):
 
 
 class _Common(_Body):
-    # Unknown fields are kept: those of OpenAI's API that would change the reply are refused (`refuse_unsupported`).
+    # Unknown fields are kept for `refuse_unsupported`, which refuses every one but OpenAI's informational fields,
+    # as OpenAI does: a misspelt `max_token` had been ignored, leaving the reply without a cap.
     model_config = ConfigDict(extra="allow")
     model: str
     max_tokens: int | None = Field(None, ge=0, strict=True)  # 0: only with a text completion's echo
@@ -156,20 +157,30 @@ class _Common(_Body):
 
     # New tokens at most without a cap from the client (None: what is left of the context).
     DEFAULT_TOKENS: ClassVar[int | None] = None
+    KIND: ClassVar[str] = "chat completions"
 
     # OpenAI's fields that this server does not implement, each with the values that ask for nothing more
     # than what it does (the first one is the one to suggest).
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         "repetition_penalty": (1,), "min_p": (0,), "ignore_eos": (False,), "min_tokens": (0,), "stop_token_ids": ([],),
         "modalities": (["text"],), "audio": (), "web_search_options": ()}  # vLLM's extensions, OpenAI's audio and search
+    # OpenAI's fields that change nothing in a reply (who asked, what to store, a latency hint): accepted, ignored.
+    INFORMATIONAL: ClassVar[frozenset[str]] = frozenset({
+        "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+        "parallel_tool_calls", "prediction"})
 
     def refuse_unsupported(self) -> None:
-        """400 for the first field set to a value that asks for more than this server does."""
-        for name, harmless in self.UNSUPPORTED.items():
-            value = (self.model_extra or {}).get(name)
-            if value is not None and value not in harmless:
-                allowed = f" or set it to {json.dumps(harmless[0])}" if harmless else ""
-                raise APIError(400, f"{name} is not supported by this server: leave it out{allowed}", name)
+        """400 for the first field set to a value that asks for more than this server does, or that it does not
+        know."""
+        for name, value in (self.model_extra or {}).items():
+            if name in self.UNSUPPORTED:
+                harmless = self.UNSUPPORTED[name]
+                if value is not None and value not in harmless:
+                    allowed = f" or set it to {json.dumps(harmless[0])}" if harmless else ""
+                    raise APIError(400, f"{name} is not supported by this server: leave it out{allowed}", name)
+            elif name not in self.INFORMATIONAL:
+                raise APIError(400, f"unrecognized request field {name!r} (this server takes OpenAI's "
+                                    f"{self.KIND} fields, vLLM's top_k and its own lookahead)", name)
 
     def stop_strings(self) -> list[str]:
         """The stop strings given; 400 for more than MAX_STOPS of them or one past MAX_STOP_CHARACTERS."""
@@ -242,6 +253,7 @@ class CompletionRequest(_Common):
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_Common.UNSUPPORTED, "suffix": ("",), "best_of": (1,)}
     PROMPT_FIELD: ClassVar[str] = "prompt"
+    KIND: ClassVar[str] = "text completions"
     DEFAULT_TOKENS: ClassVar[int | None] = DEFAULT_COMPLETION_TOKENS
 
     def echoes(self) -> bool:
@@ -782,13 +794,17 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
             nonlocal sent
             choice = ({"index": 0, "delta": ({"content": piece} if piece is not None else {}), "finish_reason": finish}
                       if chat else {"index": 0, "text": piece or "", "finish_reason": finish})
+            choice["logprobs"] = None
             if logprobs is not None:  # those of the tokens that came since the last chunk, the text maybe later
                 echoed_tokens = logprobs.echoed
-                choice["logprobs"] = (logprobs.body(chat, echoed_tokens + sent, echoed_tokens + reply.tokens)
-                                      if reply.tokens > sent else None)
+                if reply.tokens > sent:
+                    choice["logprobs"] = logprobs.body(chat, echoed_tokens + sent, echoed_tokens + reply.tokens)
                 sent = reply.tokens
-            return {"id": name, "object": f"{kind}.chunk" if chat else kind, "created": int(started),
-                    "model": model_name, "choices": [choice]}
+            event = {"id": name, "object": f"{kind}.chunk" if chat else kind, "created": int(started),
+                     "model": model_name, "choices": [choice]}
+            if body.stream_options is not None and body.stream_options.include_usage:
+                event["usage"] = None  # as OpenAI's chunks before the last, which holds the usage
+            return event
 
         if body.stream:
             async def events() -> AsyncIterator[str]:
@@ -820,14 +836,15 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                     yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            # Not cached, nor held back by a proxy (nginx buffers a reply unless told not to): each event as it comes.
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text = await _unless_disconnected(request, _joined(outputs()))
         if text is None:
             return Response(status_code=499)  # the client has gone: nobody reads this
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reply.finish_reason}
                   if chat else {"index": 0, "text": echoed + text, "finish_reason": reply.finish_reason})
-        if logprobs is not None:
-            choice["logprobs"] = logprobs.body(chat, 0, logprobs.echoed + reply.tokens)
+        choice["logprobs"] = None if logprobs is None else logprobs.body(chat, 0, logprobs.echoed + reply.tokens)
         return {"id": name, "object": kind, "created": int(started), "model": model_name, "choices": [choice],
                 "usage": usage()}
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from ..config import cache_root
+from ..config import cache_root, notice
 
 KERNEL_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 OPERATORS_SOURCE = Path(__file__).parent / "ops.cpp"
@@ -77,8 +77,10 @@ def _built_and_loaded() -> Path | None:
     try:
         built.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(built.with_name(f".{built.name}.lock")):
-            if not built.is_file() and not _build(*compilers, built):
-                return None
+            if not built.is_file():
+                notice(f"building our CPU kernels for this processor and torch (about 10 s), once; kept in {built.parent}")
+                if not _build(*compilers, built):
+                    return None
     except OSError as error:  # a cache folder we cannot write: run without our kernels
         warnings.warn(f"lookahead's kernels not built, {built.parent} is not writable ({error}); steps run on "
                       "torch's linears (set LOOKAHEAD_CACHE to a writable folder)", RuntimeWarning, stacklevel=3)
