@@ -632,7 +632,8 @@ def test_a_wrong_api_key_is_refused_before_the_body_is_read(server):
     url, _ = server
     with pytest.raises(openai.AuthenticationError):
         client(url, key="not-a-key").models.list()
-    assert raw(f"{url}/v1/chat/completions", {"model": MODEL}, key="not-a-key")[0] == 401  # no messages
+    code, reply = raw(f"{url}/v1/chat/completions", {"model": MODEL}, key="not-a-key")  # no messages
+    assert code == 401 and reply["error"]["code"] == "invalid_api_key"  # OpenAI's code
     assert [m.id for m in client(url).models.list().data] == [MODEL]
 
 

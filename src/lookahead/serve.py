@@ -669,7 +669,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         matches = [hmac.compare_digest(given.encode(), key.encode()) for key in api_keys]
         if scheme.lower() != "bearer" or not any(matches):
             raise APIError(401, "invalid API key: pass one of the server's --api-key values as a Bearer token",
-                           kind="authentication_error")
+                           kind="authentication_error", code="invalid_api_key")
         return given
 
     def served(model_id: str) -> None:
