@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -559,13 +560,15 @@ def test_another_threads_forward_runs_the_models_own_linears_while_ours_are_acti
     packed._guarded = None
     own = module(x)
     theirs: list[list[torch.Tensor]] = []
-    entered = threading.Event()
+    trying, holding, seen = threading.Event(), [False], []
 
     def ours_too() -> None:
+        trying.set()
         with packed.active():
-            entered.set()
+            seen.append(holding[0])  # True: it got in while the first thread's forward still held ours
 
     with packed.active():
+        holding[0] = True
         module(x)
         assert calls  # ours, in the thread that made them active
         calls.clear()
@@ -574,9 +577,11 @@ def test_another_threads_forward_runs_the_models_own_linears_while_ours_are_acti
         thread.join()
         second = threading.Thread(target=ours_too)
         second.start()
-        assert not entered.wait(0.3)  # held up while ours are active
-    assert entered.wait(10)
+        assert trying.wait(10)
+        time.sleep(0.3)  # time for it to reach `active()`: without the wait there, it would get in meanwhile
+        holding[0] = False
     second.join()
+    assert seen == [False]  # it waited for the first to finish
     assert calls == []  # the other thread's forward ran none of ours
     for got, want in zip(theirs[0], own):  # (the two threads' BLAS may split sums differently: not bit for bit)
         torch.testing.assert_close(got, want)

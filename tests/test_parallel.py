@@ -157,11 +157,10 @@ def _fail_on_rank_one(how: str) -> None:
 
 @pytest.mark.parametrize("how, words", [("raise", "worker 1 of 2 failed: ValueError: rank one gives up"),
                                         ("exit", "worker 1 of 2 exited with code 3")])
-def test_a_worker_that_dies_ends_the_run_with_a_clear_error_within_seconds(how, words):
-    start = time.perf_counter()
+def test_a_worker_that_dies_ends_the_run_with_a_clear_error(how, words):
+    """The error names the worker that failed first and why, not the collateral failures of the others."""
     with pytest.raises(WorkerError, match=words.replace("(", r"\(")):
         run_workers(2, _fail_on_rank_one, how, threads=1)
-    assert time.perf_counter() - start < 45  # not the process group's 60 s timeout, let alone a hang
 
 
 def _sleep_marked(folder: str) -> None:

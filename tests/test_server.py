@@ -477,10 +477,9 @@ def test_requests_are_queued_and_answered_while_a_step_is_in_progress(server, mo
         second = pool.submit(lambda: client(url).chat.completions.create(model=MODEL, messages=HI, max_tokens=3,
                                                                          temperature=0))
         time.sleep(0.5)  # the second request has reached the server
-        started = time.perf_counter()
-        with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as response:  # answered while the step is held
             assert response.status == 200
-        assert time.perf_counter() - started < 5 and not first.done() and not second.done()
+        assert not first.done() and not second.done()
         monkeypatch.undo()
         release.set()
         assert first.result(timeout=120).usage.completion_tokens == 2

@@ -58,6 +58,19 @@ def test_a_stop_string_ends_the_reply_where_generate_ends_it(default_model, stor
     assert sum(ours.stats.accepted_by_source.values()) > 0  # drafts were accepted: steps of several tokens
 
 
+def test_the_models_generation_config_stop_strings_end_the_reply_as_in_generate(default_model, story, monkeypatch):
+    """`stop_strings=None` means the generation config's, as in `model.generate`; no test had met one (a
+    generate that ignored them passed them all)."""
+    model, tokenizer = default_model
+    prompt, reply, stops = story
+    monkeypatch.setattr(model.generation_config, "stop_strings", stops[1])
+    theirs = _their_generate(model, prompt, tokenizer=tokenizer)
+    assert theirs.shape[1] - prompt.shape[1] < NEW_TOKENS  # the config's string is met: the reply was cut
+    ours = generate(model, prompt, max_new_tokens=NEW_TOKENS, tokenizer=tokenizer)
+    assert ours.sequences.tolist() == theirs.tolist()
+    assert sum(ours.stats.accepted_by_source.values()) > 0
+
+
 def test_several_stop_strings_and_one_never_met(default_model, story):
     model, tokenizer = default_model
     prompt, reply, stops = story
