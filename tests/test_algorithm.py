@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import re
+
+import numpy as np
 
 import pytest
 import torch
@@ -594,3 +597,190 @@ def test_a_decoder_asks_for_rows_by_its_calibrated_estimates():
         stats.record_top(0.5, False)  # the likeliest node was never right: (0 + 1) / (3 + 1)
     assert decoder.demand(proposal).gains == pytest.approx([p / 4 for p in raw])
     assert decoder.demand(proposal, most=2).most == 2 and decoder.demand(proposal).base == 1
+
+
+def test_keep_scores_returns_each_committed_tokens_logits_and_scores():
+    """With `keep_scores`, the result carries, per committed token, the float32 logits of the row it was picked
+    from (the root's, then the accepted nodes') and those logits as the transform scored them, given the
+    tokens before it; the tokens, the kept rows and the window are those of a step without it."""
+    planned = {7: 6, 8: 7, 9: 9}  # by context length, as in _transform_decoder
+
+    def transform(context, scores):
+        out = scores.clone()
+        out[0, planned[context.shape[1]]] = 100.0
+        return out
+
+    decoder = LookaheadDecoder(SMALL, PROMPT, transform=transform, keep_scores=True)
+    plan = decoder.plan()  # rows 0 | 1 2 | 3 4 5: tree 6 -> {8, 7}
+    logits = _logits([1, 3, 4, 2, 2, 2]).to(torch.bfloat16)
+    result = decoder.update(plan, logits)
+    assert result.tokens == [6, 7, 9] and result.kept_rows.tolist() == [0, 3, 5]
+    expected = logits[[0, 3, 5]].float()
+    assert result.logits.dtype == torch.float32 and torch.equal(result.logits, expected)
+    scored = expected.clone()
+    scored[0, 6] = scored[1, 7] = scored[2, 9] = 100.0
+    assert torch.equal(result.scores, scored)
+    assert decoder.sequence == PROMPT + [6, 7, 9]
+    assert decoder.window.levels[1] == [3, 4]  # the greedy outputs of the window rows, as without keep_scores
+
+
+def test_a_transform_that_writes_its_scores_leaves_the_callers_logits_alone():
+    """Processors may write the scores they are handed (as in `generate`): they get a copy, so the logits the
+    caller passed, and the logits a `keep_scores` result returns, are the model's."""
+    def transform(context, scores):
+        scores[0, {7: 6, 8: 7, 9: 9}[context.shape[1]]] = 100.0  # in place
+        return scores
+
+    decoder = LookaheadDecoder(SMALL, PROMPT, transform=transform, keep_scores=True)
+    plan = decoder.plan()
+    logits = _logits([1, 3, 4, 2, 2, 2])  # float32 already: a plain `.to(float32)` would not copy
+    original = logits.clone()
+    result = decoder.update(plan, logits)
+    assert result.tokens == [6, 7, 9]
+    assert torch.equal(logits, original)
+    assert torch.equal(result.logits, original[[0, 3, 5]])
+
+
+def test_update_from_choices_teaches_the_recycle_source_each_rows_picked_token():
+    config = LookaheadConfig(window=2, ngram=3, guesses=2, recycle=2)
+    decoder = LookaheadDecoder(config, PROMPT)
+    plan = decoder.plan()  # rows 0 | 1 2 | 3 4 5, as with SMALL: the table is empty, nothing is recycled yet
+    assert plan.tree.tokens == [6, 8, 7]
+    picked = torch.tensor([6, 3, 4, 7, 2, 9])
+    assert decoder.update_from_choices(plan, picked).tokens == [6, 7, 9]
+    expected = {}
+    for token, pick in zip(plan.tokens.tolist(), picked.tolist()):  # later rows win
+        expected[token] = (pick,)
+    table = decoder.recycle.table
+    assert len(table) == len(expected)
+    assert all(table.successors(token) == successors for token, successors in expected.items())
+
+
+@pytest.mark.parametrize("recycle", [1, 3])
+def test_the_recycle_source_learns_recycle_tokens_per_row(recycle):
+    """`recycle` likeliest tokens per fed row, best first: no more (1), and not fewer where the step has fewer
+    rows than that (3 tokens from a step of one row)."""
+    config = LookaheadConfig(window=0, ngram=2, guesses=2, seed_from_prompt=False, recycle=recycle)
+    decoder = LookaheadDecoder(config, [1, 2, 5])
+    assert [p.name for p in decoder.proposers] == ["pool", "recycle"]
+    plan = decoder.plan()
+    assert plan.tokens.tolist() == [5]  # one row: the last token
+    logits = _logits([6])
+    assert decoder.update(plan, logits).tokens == [6]
+    assert decoder.recycle.table.successors(5) == tuple(logits[0].topk(recycle).indices.tolist())
+
+
+def test_the_context_limits_the_window_and_the_tree():
+    """No row of a step lies at or past the model's context: the window (reaching 2 positions past the last
+    token here) is fed only where its last row fits, and the tree has at most as many nodes as positions
+    are left."""
+    n = len(PROMPT)  # 7: the last token sits at position 6
+    for context, fits, tokens in ((n + 1, False, [5, 6]), (n + 2, True, [5, 6, 8])):
+        decoder = LookaheadDecoder(SMALL, PROMPT, context=context)
+        assert decoder.window_fits() == fits
+        plan = decoder.plan()
+        assert plan.layout.window_rows.numel() == (2 if fits else 0)
+        assert plan.tokens[:1].tolist() + plan.tree.tokens == tokens
+        assert n - 1 + int(plan.layout.offsets.max()) < context
+    assert LookaheadDecoder(SMALL, PROMPT, context=100).plan().tree.tokens == [6, 8, 7]
+
+
+def test_a_step_without_the_window_asks_fewer_base_rows_and_leaves_them_to_the_tree():
+    decoder = LookaheadDecoder(SMALL, PROMPT)  # the window starts with one level of 2 columns
+    assert decoder.base_rows() == 3 and decoder.base_rows(False) == 1
+    proposal = decoder.propose()
+    assert decoder.demand(proposal).base == 3 and decoder.demand(proposal, False).base == 1
+    plan = decoder.plan(window=False)
+    assert plan.tokens.tolist() == [5, 6, 8, 7] and plan.layout.window_rows.numel() == 0
+    assert plan.layout.tree_start == 1
+
+    def cost(k):  # up to 8 rows cost one step; each row more costs another
+        return 1.0 if k <= 8 else float(k - 7)
+
+    config = LookaheadConfig(window=5, ngram=4, guesses=2, seed_from_prompt=False, budget=True)
+    budgeted = LookaheadDecoder(config, list(range(20, 30)), cost=cost,
+                                proposers=[_Recorder([(100 + i,) for i in range(20)])])
+    assert len(budgeted.plan().tree.tokens) == 5  # 8 - 3 rows (the last token, 2 window columns)
+    assert budgeted.plan(window=False).tree.tokens == [100 + i for i in range(7)]  # 8 - 1 rows
+
+
+def test_calibrated_gains_are_capped_at_certainty():
+    config = LookaheadConfig(window=0, ngram=4, guesses=2, seed_from_prompt=False, budget=True)
+    stats = AcceptanceStats()
+    for _ in range(6):
+        stats.record_top(0.1, True)  # right every time at 0.1: calibration (6 + 1) / (0.6 + 1) = 4.375
+    decoder = LookaheadDecoder(config, [1, 2, 3], cost=lambda k: 1.0, proposers=[_Recorder([(7, 8), (9,)])],
+                               stats=stats)
+    proposal = decoder.propose()
+    assert stats.calibration == pytest.approx(4.375)
+    assert proposal.nodes.probabilities == [0.5, 0.5, 0.25]
+    assert decoder.demand(proposal).gains == [1.0, 1.0, 1.0]  # 2.19, 2.19 and 1.09 as chances: capped
+
+
+def test_a_step_proposes_every_sources_drafts():
+    decoder = LookaheadDecoder(SMALL, PROMPT, proposers=[_Recorder([(9,)])])
+    proposal = decoder.propose()
+    assert [d.source for d in proposal.drafts] == ["pool", "pool", "extra"]
+    assert sorted(proposal.nodes.prefixes) == [(6,), (6, 7), (6, 8), (9,)]
+
+
+class _Nameless:
+    """A caller's draft source without a `name`: its errors name its class."""
+
+    def __init__(self, tokens) -> None:
+        self.tokens = tokens
+
+    def propose(self, text, limit):
+        return [Draft(tuple(self.tokens), "nameless")]
+
+    def observe(self, text, new):
+        pass
+
+
+def _checked(tokens, vocabulary=10, source=None):
+    source = source or _Recorder([tuple(tokens)])
+    return LookaheadDecoder(SMALL, PROMPT, proposers=[source], vocabulary=vocabulary).propose().drafts[-1]
+
+
+def test_a_callers_drafts_are_checked_token_ids_made_ints():
+    draft = _checked([np.int64(3), 0, 9])  # numpy ints, and both ends of the vocabulary, are token ids
+    assert draft.tokens == (3, 0, 9) and all(type(token) is int for token in draft.tokens)
+    assert _checked([12], vocabulary=None).tokens == (12,)  # no vocabulary: not checked against one
+    for token, kind in ((3.0, "float"), (True, "bool")):
+        message = f"draft source 'extra' proposed {token!r} ({kind}), not a token id (an int)"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            _checked([4, token])
+    with pytest.raises(ValueError, match=r"^draft source '_Nameless' proposed 2\.5 \(float\), not a token id \(an int\)$"):
+        _checked([], source=_Nameless([2.5]))
+    for token in (10, -1):
+        message = f"draft source 'extra' proposed token id {token}, outside the model's vocabulary [0, 10)"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            _checked([4, token])
+
+
+def test_top_tokens_gives_one_column_by_default_and_walk_tree_starts_at_position_0():
+    """The defaults of the public helpers (every caller in the package passes them explicitly today)."""
+    logits = _logits([3, 7, 1])
+    assert top_tokens(logits).tolist() == [[3], [7], [1]]  # [rows, count], count 1
+    positions = []
+
+    def rule(scores, candidates, position):
+        positions.append(position)
+        return greedy_choice(scores, candidates)
+
+    tree = build_guess_tree([(3, 7)])
+    verdict = walk_tree(tree, lambda node, accepted: logits[0 if node == ROOT else 1 + node], rule)
+    assert verdict == Verdict([3, 7, 1], [0, 1]) and positions == [0, 1, 2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_accelerator_branches_agree_with_the_host():
+    """top_tokens' accelerator branch (argmax, then topk for the rest) gives what the host branch gives, every
+    column, for each count; Gumbel noise drawn on the accelerator lies there, keyed by (seed, position) alone."""
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))  # no ties
+    for count in (1, 2, 3):
+        on_device = top_tokens(logits.cuda(), count)
+        assert on_device.device.type == "cpu" and on_device.shape == (5, count)
+        assert torch.equal(on_device, top_tokens(logits, count))
+    noise = gumbel_noise(3, 7, 50, "cuda")
+    assert noise.device.type == "cuda" and torch.equal(noise, gumbel_noise(3, 7, 50, "cuda"))
