@@ -31,7 +31,7 @@ from .core.suffix import Corpus
 from .costs import CostCurve, batch_cost_curve
 from .hf import HFModelRunner, available_memory, check_model, context_length, is_sharded, vocabulary_size
 from .runtime.batch import StepInput, causal_step, pack_steps
-from .sampling import DecodingOptions, _shown, check_decoding_options, decoding_rule, list_of, with_model_defaults
+from .sampling import DecodingOptions, check_decoding_options, decoding_rule, list_of, type_names, with_model_defaults
 
 # Rows a step may feed per sequence beyond its committed tokens: the store keeps this much room past
 # `max_length` so that every step, padding included, is written in place: the window's rows and as many drafts.
@@ -697,7 +697,7 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
     if not list_of(params.proposers, lambda p: callable(getattr(p, "propose", None))
                    and callable(getattr(p, "observe", None))):
         raise TypeError("proposers must be a list of draft sources with propose(text, limit) and observe(text, new) "
-                        f"(lookahead.core.drafts.Proposer), got {_shown(params.proposers)}")
+                        f"(lookahead.core.drafts.Proposer), got {type_names(params.proposers)}")
     for name in ("output_scores", "output_logits"):
         if not isinstance(getattr(params, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(params, name)!r}")

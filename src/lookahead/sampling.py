@@ -158,7 +158,7 @@ def list_of(values: object, valid: Callable[[object], bool]) -> bool:
     return isinstance(values, Sequence) and not isinstance(values, (str, bytes)) and all(map(valid, values))
 
 
-def _shown(value: object) -> str:
+def type_names(value: object) -> str:
     """A refused value in an error message: its type, and its items' types where it is a list."""
     if isinstance(value, (list, tuple)):
         return f"{type(value).__name__} of {sorted({type(item).__name__ for item in value})}"
@@ -166,8 +166,8 @@ def _shown(value: object) -> str:
 
 
 def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> None:
-    """Raise ValueError, naming the option and what is allowed, for decoding options `decoding_rule` cannot
-    follow; no side effects (nothing is drawn from the generator)."""
+    """Raise ValueError (TypeError for an object of the wrong kind), naming the option and what is allowed, for
+    decoding options `decoding_rule` cannot follow; no side effects (nothing is drawn from the generator)."""
     if not isinstance(options.do_sample, bool):
         raise ValueError(f"do_sample must be a bool, got {options.do_sample!r}")
     _check_number("temperature", options.temperature, lambda v: v >= 0, "a number >= 0 (0 means greedy)")
@@ -180,7 +180,7 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
         raise ValueError(f"generator must be a torch.Generator or None, got {type(options.generator).__name__}")
     if options.logits_processor is not None and not list_of(options.logits_processor, callable):
         raise TypeError("logits_processor must be a list of transformers LogitsProcessor (a LogitsProcessorList "
-                        f"too), got {_shown(options.logits_processor)}")
+                        f"too), got {type_names(options.logits_processor)}")
     if options.prefix_allowed_tokens_fn is not None and not callable(options.prefix_allowed_tokens_fn):
         raise ValueError("prefix_allowed_tokens_fn must be a callable (batch_id, input_ids) -> allowed token ids, "
                          f"got {type(options.prefix_allowed_tokens_fn).__name__}")
