@@ -239,3 +239,36 @@ def test_calibration_scales_the_budget_by_how_often_the_likeliest_node_was_right
     for _ in range(4):
         stats.record_top(0.25, True)  # under-estimates raise it
     assert stats.calibration == pytest.approx(6 / 4)
+
+
+def test_stats_halve_a_kinds_counts_when_it_has_been_offered_memory_times():
+    """A kind's counts are halved, accepted and offered alike, just before the offer that would take it past
+    `memory` (here 3): [3, 3] becomes [1.5, 1.5], then the fourth offer, rejected, makes it [1.5, 2.5]."""
+    stats = AcceptanceStats(memory=3.0)
+    draft = Draft((5,), "s")
+    for _ in range(3):
+        stats.record([draft], [5])
+    assert stats.rate(draft, 1) == pytest.approx((3 + 1) / (3 + 2))  # not halved before it is due
+    stats.record([draft], [7])
+    assert stats.rate(draft, 1) == pytest.approx((1.5 + 1) / (2.5 + 2))
+
+
+def test_stats_remember_a_thousand_offers_by_default():
+    stats = AcceptanceStats()
+    draft = Draft((5,), "s")
+    for _ in range(1000):
+        stats.record([draft], [5])
+    assert stats.rate(draft, 1) == pytest.approx((1000 + 1) / (1000 + 2))
+    stats.record([draft], [5])  # [1000, 1000] halved to [500, 500], then counted
+    assert stats.rate(draft, 1) == pytest.approx((501 + 1) / (501 + 2))
+
+
+def test_calibration_halves_its_sums_once_the_expected_count_reaches_memory():
+    """Expected 1.5 + 1.5 reaches `memory` (3): both sums are halved, to 1.5 expected and 1 accepted."""
+    stats = AcceptanceStats(memory=3.0)
+    stats.record_top(1.5, True)
+    assert stats.calibration == pytest.approx((1 + 1) / (1.5 + 1))  # not halved before it is due
+    stats.record_top(1.5, True)
+    assert stats.calibration == pytest.approx((1 + 1) / (1.5 + 1))
+    stats.record_top(1.0, False)
+    assert stats.calibration == pytest.approx((1 + 1) / (2.5 + 1))

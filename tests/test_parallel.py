@@ -352,3 +352,13 @@ def test_lookahead_on_transformers_tensor_parallelism_equals_greedy_generate(sha
 def test_tensor_parallel_needs_torchrun():
     result = run("generate", "hello", "--tensor-parallel")
     assert result.returncode == 2 and "--tensor-parallel" in result.stderr and "torchrun" in result.stderr
+
+
+def test_a_one_column_window_loads_its_worker_with_each_of_its_levels():
+    """W1 N3: worker 0 runs the column's 2 rows (load 2), worker 1 none (load 0). The 3-node chain (rows 3-5)
+    goes to worker 1; the single node 10 (row 6) to worker 0 (2 against 3); 11 (row 7), on a tie at 3, to
+    worker 0, the first."""
+    tree = build_guess_tree([[20, 21, 22], [10], [11]])
+    layout = step_layout(2, 1, tree)
+    shares = split_step(layout, tree.parents, 2)
+    assert [share.rows.tolist() for share in shares] == [[0, 1, 2, 6, 7], [0, 3, 4, 5]]

@@ -226,3 +226,132 @@ def test_proposing_is_what_drafted_steps_spend_outside_the_forward_beyond_plain_
         prices.record(1, 1, 1.0, drafted_overhead, drafted=True, tokens=1)
     assert prices._bucket(1).drafted.below(StepPrices.PAYS_ABOVE, StepPrices.JUDGED_AFTER)
     assert prices.drafts(1) is not pauses
+
+
+def test_drafted_steps_that_commit_exactly_the_bar_still_pay():
+    """`below` is strict: steps that committed exactly PAYS_ABOVE tokens per unit of cost are not below it."""
+    from lookahead.core.prices import _Gain
+
+    judged = StepPrices.JUDGED_AFTER
+    assert not _Gain(committed=StepPrices.PAYS_ABOVE, spent=1.0, steps=judged).below(StepPrices.PAYS_ABOVE, judged)
+    assert _Gain(committed=1.0, spent=1.0, steps=judged).below(StepPrices.PAYS_ABOVE, judged)
+    assert not _Gain(committed=1.0, spent=1.0, steps=judged - 1).below(StepPrices.PAYS_ABOVE, judged)
+
+
+def test_rows_found_dearer_than_four_times_the_curve_are_priced_at_four():
+    """6 extra rows' worth where the curve says 0.4 (15 times dearer): the correction is capped at 4; 0.1 of
+    the curve's price (0.04) is raised to half of it."""
+    prices = StepPrices(linear_curve(0.1))
+    prices.record(1, 1, 0.010, 0.0, drafted=False)
+    prices.record(1, 5, 0.010 * (1.0 + 6.0), 0.0, drafted=False)
+    assert prices.cost(1)(5) == pytest.approx(1.0 + 0.4 * 4.0)
+    cheap = StepPrices(linear_curve(0.1))
+    cheap.record(1, 1, 0.010, 0.0, drafted=False)
+    cheap.record(1, 5, 0.010 * (1.0 + 0.04), 0.0, drafted=False)
+    assert cheap.cost(1)(5) == pytest.approx(1.0 + 0.4 * 0.5)
+
+
+def test_a_flat_curve_prices_each_row_beyond_the_first_at_the_floor():
+    prices = StepPrices(lambda batch: (lambda height: 1.0))
+    for height in (1, 2, 5, 64):
+        assert prices.cost(1)(height) == pytest.approx(1.0 + StepPrices.ROW_FLOOR * (height - 1))
+
+
+def test_proposing_exactly_the_share_of_a_step_does_not_pause_drafts():
+    """Proposing at exactly PROPOSING_SHARE of a one-row forward (1 s over 10 s) is not dear: drafted steps
+    that fed nothing and committed less than they cost go on; at a little more they pause."""
+    for drafted_overhead, pauses in ((1.0, False), (1.01, True)):
+        prices = StepPrices(linear_curve(0.1))
+        prices.record(1, 1, 10.0, 0.0, drafted=False)
+        for _ in range(StepPrices.JUDGED_AFTER):
+            prices.record(1, 1, 10.0, drafted_overhead, drafted=True, tokens=1)
+        assert prices._bucket(1).drafted.below(StepPrices.PAYS_ABOVE, StepPrices.JUDGED_AFTER)
+        assert prices.drafts(1) is not pauses
+
+
+def test_drafts_found_to_pay_after_a_pause_reset_the_pauses_to_the_first():
+    """Drafts that did not pay pause for 8 steps; judged again after the pause over exactly JUDGED_AFTER
+    drafted steps, they pay, and the next finding that they do not pauses for 8 steps again, not 16."""
+    prices = StepPrices(linear_curve(0.5))
+    prices.record(2, 1, 0.010, 0.0, drafted=False)
+    for _ in range(StepPrices.JUDGED_AFTER):  # 3 rows (2 one-row steps) for 1 token a sequence: no gain
+        assert prices.drafts(2) is True
+        prices.record(2, 3, 0.020, 0.0, drafted=True, tokens=2)
+    for _ in range(8):
+        assert prices.drafts(2) is False
+        prices.record(2, 1, 0.010, 0.0, drafted=False)
+    for _ in range(StepPrices.JUDGED_AFTER):  # now 3 tokens a sequence at the same price
+        assert prices.drafts(2) is True
+        prices.record(2, 3, 0.020, 0.0, drafted=True, tokens=6)
+    assert prices.drafts(2) is True  # judged over JUDGED_AFTER drafted steps: they pay
+    prices.record(2, 64, 0.010 * 32.5, 0.0, drafted=True, tokens=0)  # one 64-row step that committed nothing
+    pause = 0
+    while not prices.drafts(2):
+        pause += 1
+        prices.record(2, 1, 0.010, 0.0, drafted=False)
+    assert pause == 8
+
+
+def test_a_step_that_drafted_one_row_is_followed_by_a_plain_one_to_price_plain_steps():
+    """A drafted one-row step gives the one-row time but not what plain steps spend outside the forward:
+    the next step runs without drafts to learn it; a plain step taller than one row gives the overhead but
+    not the one-row time: likewise."""
+    prices = StepPrices(linear_curve(0.1))
+    prices.record(4, 1, 0.010, 0.004, drafted=True, tokens=4)
+    assert prices._bucket(4).one_row == 0.010
+    assert prices.drafts(4) is False
+    prices.record(4, 1, 0.010, 0.002, drafted=False)
+    assert prices.drafts(4) is True
+    other = StepPrices(linear_curve(0.1))
+    other.record(4, 3, 0.012, 0.002, drafted=False)
+    other.record(4, 3, 0.012, 0.004, drafted=True, tokens=4)
+    assert other.drafts(4) is False
+
+
+def test_a_one_row_step_is_run_after_exactly_refresh_after_drafted_steps():
+    prices = StepPrices(linear_curve(0.1))
+    prices.record(1, 1, 0.010, 0.0, drafted=False)
+    prices.record(1, 4, 0.013, 0.0, drafted=True, tokens=2)
+    choices = []
+    for _ in range(2 * StepPrices.REFRESH_AFTER + 2):
+        drafted = prices.drafts(1)
+        choices.append(drafted)
+        prices.record(1, 4 if drafted else 1, 0.013 if drafted else 0.010, 0.0, drafted, 2 if drafted else None)
+    period = [True] * StepPrices.REFRESH_AFTER + [False]  # the ages count calls to `drafts`, not records
+    assert choices == period + period
+
+
+def test_what_steps_spend_outside_the_forward_is_a_running_mean_per_sequence():
+    prices = StepPrices(linear_curve(0.1))
+    prices.record(4, 1, 1.0, 0.4, drafted=False)
+    prices.record(4, 1, 1.0, 0.8, drafted=False)
+    prices.record(4, 3, 1.2, 1.2, drafted=True, tokens=4)
+    assert prices._bucket(4).overhead == pytest.approx({False: 0.8 * 0.1 + 0.2 * 0.2, True: 0.3})
+
+
+def test_a_two_row_drafted_step_counts_as_one_that_fed_a_draft():
+    """Drafted steps of two rows (the last token and one node) that did not pay pause drafts, even where
+    proposing is cheap and the budget fed every step something."""
+    prices = StepPrices(linear_curve(0.5))
+    prices.record(2, 1, 0.010, 0.0, drafted=False)
+    for _ in range(StepPrices.JUDGED_AFTER):
+        assert prices.drafts(2) is True
+        prices.record(2, 2, 0.015, 0.0, drafted=True, tokens=2, offered=True)
+    assert prices._bucket(2).fed.steps == StepPrices.JUDGED_AFTER
+    assert prices.drafts(2) is False
+
+
+def test_drafts_pause_after_exactly_judged_after_declined_steps_in_a_row():
+    """A fed step, then declined steps (drafts on offer, none fed), proposing cheap and nothing gained: 15
+    declined in a row are not yet a run of JUDGED_AFTER, 16 are."""
+    prices = StepPrices(linear_curve(0.5))
+    prices.record(16, 1, 0.030, 0.0, drafted=False)
+    assert prices.drafts(16) is True
+    prices.record(16, 2, 0.045, 0.0012, drafted=True, tokens=16, offered=True)
+    for _ in range(StepPrices.JUDGED_AFTER - 1):
+        assert prices.drafts(16) is True
+        prices.record(16, 1, 0.030, 0.0012, drafted=True, tokens=16, offered=True)
+    assert prices._bucket(16).drafted.below(StepPrices.PAYS_ABOVE, StepPrices.JUDGED_AFTER)
+    assert prices.drafts(16) is True  # 15 declined in a row
+    prices.record(16, 1, 0.030, 0.0012, drafted=True, tokens=16, offered=True)
+    assert prices.drafts(16) is False  # 16

@@ -329,3 +329,19 @@ def test_a_corpus_takes_token_ids_as_lists_arrays_or_tensors_and_refuses_anythin
     version = corpus.version
     corpus.clear()
     assert corpus.largest_token == -1 and corpus.version == version + 1
+
+
+def test_an_empty_document_holds_no_token_id():
+    corpus = Corpus(max_megabytes=1)
+    corpus.add([])
+    assert corpus.largest_token == -1  # still none held
+    corpus.add([0])
+    corpus.add([])
+    assert corpus.largest_token == 0
+
+
+def test_a_refused_corpus_document_is_told_what_a_document_is_in_full():
+    with pytest.raises(ValueError) as refused:
+        Corpus(max_megabytes=1).add([1, -1])
+    assert str(refused.value) == ("a corpus document must be a 1-D sequence of token ids (integers >= 0), e.g. a "
+                                  "tokenizer's input_ids for one text; got list")
