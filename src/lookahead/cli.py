@@ -39,6 +39,8 @@ DtypeOption = Annotated[str, typer.Option("--dtype", help=(
 TopKOption = Annotated[Optional[int], typer.Option(help="Sampling: keep the k likeliest tokens (0: all).")]
 TopPOption = Annotated[Optional[float], typer.Option(help="Sampling: nucleus mass in (0, 1].")]
 CppWrapperOption = Annotated[bool, typer.Option("--cpp-wrapper", help="Compile (implies --compile) with the code that calls the kernels in C++: a few % faster steps, compiles up to 9x longer (cached on disk).")]
+
+
 def _seed(value: int) -> int:
     if not -2**63 <= value < 2**64:  # torch's range (checked here: typer's min/max would print it in --help)
         raise typer.BadParameter(f"must be in [-2**63, 2**64), got {value}")
