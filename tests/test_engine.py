@@ -459,6 +459,15 @@ def test_a_step_interrupted_while_committing_ends_the_requests_it_reached(llama_
     errors: dict[int, Exception] = {}
     with pytest.raises(KeyboardInterrupt):
         _run(engine, dict(zip(ids, prompts)), outputs, errors)
+    step_logits = engine.runner.step_logits
+
+    def fails_once(*args, **kwargs):  # the next step's forward fails too: their ends must still come
+        engine.runner.step_logits = step_logits
+        raise RuntimeError("a failed forward")
+
+    engine.runner.step_logits = fails_once
+    with pytest.raises(RuntimeError, match="a failed forward"):
+        engine.step()
     _run(engine, dict(zip(ids, prompts)), outputs, errors)  # the caller goes on stepping
     assert sorted(errors) == ids[:2]
     assert all("KeyboardInterrupt interrupted the step" in str(errors[rid]) for rid in ids[:2])

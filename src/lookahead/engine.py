@@ -225,6 +225,7 @@ class Engine:
         self._proposal_errors: dict[int, Exception] = {}  # this step's requests whose draft sources failed
         # Requests whose tokens an interrupted step committed but never reported: they end at the next step.
         self._interrupted: dict[int, BaseException] = {}
+        self._unreported: list[StepOutput] = []  # their ends, freed by a step that then failed
         self._stepping = False
 
     def warm_up(self) -> None:
@@ -272,7 +273,7 @@ class Engine:
         return request.id
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting) or any(self._slots)
+        return bool(self._waiting) or any(self._slots) or bool(self._unreported)
 
     def running(self) -> int:
         """Requests holding a slot."""
@@ -333,11 +334,17 @@ class Engine:
         self._refuse_during_step("step")
         self._stepping = True
         try:
-            interrupted = [StepOutput(r.id, [], True, error=self._interrupted.pop(r.id)) for r in self._slots
-                           if r is not None and r.id in self._interrupted]
-            for output in interrupted:
-                self._free(self._holding(output.request_id))
-            return interrupted + self._step()
+            reports = self._unreported + [StepOutput(r.id, [], True, error=self._interrupted.pop(r.id))
+                                          for r in self._slots if r is not None and r.id in self._interrupted]
+            self._unreported = []
+            for output in reports:
+                if self._holding(output.request_id) is not None:
+                    self._free(self._holding(output.request_id))
+            try:
+                return reports + self._step()
+            except BaseException:  # a failed forward, say: the ends of the interrupted ones come with the next step
+                self._unreported = reports
+                raise
         finally:
             self._stepping = False
 
