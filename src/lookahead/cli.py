@@ -771,7 +771,7 @@ def bench_parallel_command(
     try:
         config = LookaheadConfig(window=window, ngram=ngram, guesses=guesses)
     except ValueError as error:
-        raise typer.BadParameter(str(error)) from error
+        raise _config_refusal(error, {name: f"--{name}" for name in ("window", "ngram", "guesses")}) from error
     given_curve = None
     if cost_file is not None:
         try:

@@ -334,12 +334,12 @@ class Engine:
         self._refuse_during_step("step")
         self._stepping = True
         try:
+            interrupted = [r for r in self._slots if r is not None and r.id in self._interrupted]
             reports = self._unreported + [StepOutput(r.id, [], True, error=self._interrupted.pop(r.id))
-                                          for r in self._slots if r is not None and r.id in self._interrupted]
+                                          for r in interrupted]
             self._unreported = []
-            for output in reports:
-                if self._holding(output.request_id) is not None:
-                    self._free(self._holding(output.request_id))
+            for request in interrupted:
+                self._free(request)
             try:
                 return reports + self._step()
             except BaseException:  # a failed forward, say: the ends of the interrupted ones come with the next step
@@ -426,7 +426,8 @@ class Engine:
             # their caches may not match; they end at the next step, the others decode on untouched.
             lost = RuntimeError(f"{type(interruption).__name__} interrupted the step committing this request's "
                                 "tokens; they were lost with it")
-            reached = [output[0] for output in outputs] + decoding[len(outputs) : len(outputs) + 1]  # + the one it was in
+            # Those it finished, and the one it was in.
+            reached = [output[0] for output in outputs] + decoding[len(outputs) : len(outputs) + 1]
             for request in reached:
                 self._interrupted[request.id] = failed.get(request.id, lost)
             raise
@@ -597,11 +598,8 @@ def _check_memory(runner: HFModelRunner, slots: int, capacity: int) -> None:
 
 def _checked_padding(padding: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """`add_request`'s padding as a 1-D long tensor; ValueError for anything but token ids in a row."""
-    try:
-        tensor = torch.as_tensor(padding)
-    except (TypeError, ValueError, RuntimeError) as error:
-        raise ValueError(f"padding must be token ids (a list of ints or an integer tensor), got {padding!r}") from error
-    if tensor.numel() and (tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex()):
+    tensor = as_token_tensor(padding, "padding")
+    if tensor.numel() and tensor.dtype not in TOKEN_DTYPES:  # (none given: torch's default dtype)
         raise ValueError(f"padding must hold integer token ids, got dtype {tensor.dtype}")
     if tensor.dim() > 1 and not (tensor.dim() == 2 and tensor.shape[0] == 1):
         raise ValueError(f"padding must be one row ([n] or [1, n]), got shape {list(tensor.shape)}")
@@ -652,12 +650,13 @@ def check_request(model: PreTrainedModel, input_ids: torch.Tensor | list[int], m
     return prompt
 
 
-def as_token_tensor(input_ids: object) -> torch.Tensor:
-    """`input_ids` as a tensor; ValueError for what cannot be token ids (text, None, ragged lists)."""
+def as_token_tensor(input_ids: object, name: str = "input_ids") -> torch.Tensor:
+    """`input_ids` as a tensor; ValueError, naming the argument `name`, for what cannot be token ids (text, None,
+    ragged lists)."""
     try:
         return torch.as_tensor(input_ids)
     except (TypeError, ValueError, RuntimeError) as error:
-        raise ValueError(f"input_ids must be token ids (a list of ints or an integer tensor), got "
+        raise ValueError(f"{name} must be token ids (a list of ints or an integer tensor), got "
                          f"{type(input_ids).__name__}") from error
 
 

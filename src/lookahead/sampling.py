@@ -228,18 +228,22 @@ def _config_processors(config: GenerationConfig, repetition_penalty: float, prom
     its attention mask)."""
     processors = LogitsProcessorList()
     prompt_length = prompt.numel()
-    encoder_ids = prompt.view(1, -1).to(device)
-    takes_encoder_ids = not bool((encoder_ids < 0).any())  # generate ignores these options for negative ids
+    encoder_penalty = config.encoder_repetition_penalty not in (None, 1.0)
+    encoder_ngrams = bool(config.encoder_no_repeat_ngram_size)
+    # The prompt as the "encoder" ids those two read, made only where one is set; generate ignores them for
+    # negative ids.
+    encoder_ids = (prompt.view(1, -1).to(device) if (encoder_penalty or encoder_ngrams) and not bool((prompt < 0).any())
+                   else None)
     if config.sequence_bias is not None:
         processors.append(SequenceBiasLogitsProcessor(config.sequence_bias))
-    if takes_encoder_ids and config.encoder_repetition_penalty not in (None, 1.0):
+    if encoder_ids is not None and encoder_penalty:
         processors.append(EncoderRepetitionPenaltyLogitsProcessor(float(config.encoder_repetition_penalty),
                                                                   encoder_ids))
     if repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty, prompt_ignore_length=padding or None))
     if config.no_repeat_ngram_size:
         processors.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
-    if takes_encoder_ids and config.encoder_no_repeat_ngram_size:
+    if encoder_ids is not None and encoder_ngrams:
         processors.append(EncoderNoRepeatNGramLogitsProcessor(config.encoder_no_repeat_ngram_size, encoder_ids))
     if config.bad_words_ids is not None:
         processors.append(NoBadWordsLogitsProcessor(config.bad_words_ids, eos or None))
