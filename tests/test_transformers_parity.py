@@ -387,17 +387,17 @@ def test_scores_are_refused_unless_asked_with_a_bool():
 
 
 class Oracle:
-    """Drafts the next 4 tokens of a known output: every step accepts deep tree nodes."""
+    """Drafts the next `length` tokens of a known output: every step accepts deep tree nodes."""
 
     name = "oracle"
 
-    def __init__(self, output: list[int]) -> None:
-        self.output = output
+    def __init__(self, output: list[int], length: int = 4) -> None:
+        self.output, self.length = output, length
 
     def propose(self, text: list[int], limit: int):
         from lookahead.core.drafts import Draft
 
-        following = self.output[len(text) : len(text) + min(limit, 4)]
+        following = self.output[len(text) : len(text) + min(limit, self.length)]
         return [Draft(tuple(following), self.name)] if following else []
 
     def observe(self, text: list[int], new: int) -> None:
@@ -418,6 +418,44 @@ def test_scores_of_tokens_accepted_deep_in_the_tree_are_generates():
     assert out.stats.tokens_per_step == 3  # two drafted tokens accepted every step (the config drafts 2)
     torch.testing.assert_close(torch.stack(out.scores), torch.stack(expected.scores), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), rtol=1e-4, atol=1e-4)
+
+
+def test_scores_of_a_batch_accepting_deep_nodes_in_shared_steps_are_generates():
+    """The engine's batch, both requests drafting their own outputs (so that each step accepts deep nodes of
+    both, at different heights): each token's scores (after a repetition penalty) and logits are those of
+    `generate`'s left-padded batch."""
+    from lookahead.engine import Engine, RequestParams
+
+    model = make_tiny_model("llama")
+    ids, mask = _left_padded([PROMPT[0].tolist(), [11, 12, 13, 5, 6]], 0)
+    with torch.inference_mode():
+        expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, eos_token_id=[],
+                                  repetition_penalty=1.5, output_scores=True, output_logits=True,
+                                  return_dict_in_generate=True)
+    engine = Engine(model, max_batch=2, max_length=ids.shape[1] + NEW)
+    config = LookaheadConfig(window=0, ngram=6, guesses=1)  # drafts of up to 5 tokens, the oracle's alone
+    requests, lengths = [], (4, 2)  # drafts of different lengths: ragged steps
+    for row, drafted in enumerate(lengths):
+        prompt, padding = ids[row][mask[row].bool()], ids[row][~mask[row].bool()]
+        output = expected.sequences[row, ids.shape[1]:].tolist()
+        params = RequestParams(max_new_tokens=NEW, config=config, eos_token_id=[], repetition_penalty=1.5,
+                               output_scores=True, output_logits=True,
+                               proposers=[Oracle(prompt.tolist() + output, drafted)])
+        requests.append(engine.add_request(prompt, params, padding=padding))
+    tokens, scores, logits, steps = ({r: [] for r in requests} for _ in range(4))
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.tokens
+            scores[out.request_id].append(out.scores)
+            logits[out.request_id].append(out.logits)
+            steps[out.request_id].append(len(out.tokens))
+    for row, (request, drafted) in enumerate(zip(requests, lengths)):
+        assert tokens[request] == expected.sequences[row, ids.shape[1]:].tolist()
+        assert steps[request][1:-1] == [drafted + 1] * (len(steps[request]) - 2)  # every drafted node accepted
+        torch.testing.assert_close(torch.cat(scores[request]), torch.stack(expected.scores)[:, row],
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.cat(logits[request]), torch.stack(expected.logits)[:, row],
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_sampled_scores_are_the_warped_ones():
