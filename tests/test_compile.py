@@ -461,6 +461,21 @@ def test_the_cost_curve_is_keyed_by_the_attention_implementation(costs):
     assert costs._curve_key(HFModelRunner(eager)) != costs._curve_key(HFModelRunner(sdpa))
 
 
+def test_the_cost_curve_is_keyed_by_the_cpu(costs, monkeypatch):
+    """Curves timed on another CPU (a cache folder shared across machines) are not read: its model name, its
+    flags and its core count each name the curve, on a machine where no kernel of ours tells the CPUs apart."""
+    monkeypatch.setattr(costs.kernels, "library", lambda: None)
+    runner = HFModelRunner(make_tiny_model("llama"))
+    here, fields = costs._curve_key(runner), costs.cpu_fields()
+    assert costs._curve_key(runner) == here
+    for name in ("model name", "flags"):
+        monkeypatch.setattr(costs, "cpu_fields", lambda: {**fields, name: "another CPU's"})
+        assert costs._curve_key(runner) != here, name
+    monkeypatch.setattr(costs, "cpu_fields", lambda: fields)
+    monkeypatch.setattr(costs.os, "cpu_count", lambda: 1024)
+    assert costs._curve_key(runner) != here
+
+
 MKL_TIMES = [10.5, 11.5, 11.0, 14.0]  # faster than the plain path from 4 rows on
 ONEDNN_TIMES = [12.0, 12.0, 13.5, 15.0]  # from 8 only
 SLOW_TIMES = [12.0, 10.0, 14.0, 21.0]  # at 2 rows only

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from . import kernels
 from .attention import loaded_attention
 from .hf import HFModelRunner, UnsupportedModelError, context_length, is_sharded
-from .config import cache_root, notice
+from .config import cache_root, cpu_fields, notice
 from .runtime.batch import causal_step, pack_steps
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -186,12 +186,18 @@ def median_seconds(run: Callable[[], object], repeats: int, device: torch.device
 
 
 def _curve_key(runner: HFModelRunner) -> str:
-    """What the cost depends on: the model's shape (not its weights), attention implementation, dtype, device,
-    threads, linear paths, and on a CPU the build of our kernels (named by their sources: a changed kernel is
-    timed afresh)."""
+    """What the cost depends on: the model's shape (not its weights), attention implementation, dtype, device
+    (on a CPU its model and flags: a cache folder that several machines share, or that an image brought from
+    another, must not price this one's steps), threads, linear paths, and on a CPU the build of our kernels
+    (named by their sources: a changed kernel is timed afresh)."""
     model: PreTrainedModel = runner.model
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
-    device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else runner.device.type
+    if runner.device.type == "cuda":
+        device = torch.cuda.get_device_name(runner.device)
+    elif runner.device.type == "cpu":
+        device = ["cpu", cpu_fields().get("model name"), cpu_fields().get("flags"), os.cpu_count()]
+    else:
+        device = runner.device.type
     built = kernels.library() if runner.device.type == "cpu" else None
     described = json.dumps([COST_FORMAT_VERSION, type(model).__name__, config, loaded_attention(model.config),
                             str(runner.dtype), device, torch.get_num_threads(), runner.packing, runner.packers,

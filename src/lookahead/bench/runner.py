@@ -15,7 +15,7 @@ import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..baseline import hf_generate
-from ..config import PLAIN_CONFIG, LookaheadConfig
+from ..config import PLAIN_CONFIG, LookaheadConfig, cpu_fields
 from ..generation import generate
 from ..prompts import encode_messages, encode_prompt, has_chat_template
 from ..quant import rounding_dtype, weights_of
@@ -276,20 +276,9 @@ def summarize(runs: list[Run], baseline: str = "greedy") -> list[Summary]:
     return rows
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(model: PreTrainedModel) -> dict[str, object]:
     return {
-        "cpu": _cpu_name(),
+        "cpu": cpu_fields().get("model name") or platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from ..config import cache_root, notice
+from ..config import cache_root, cpu_fields, notice
 
 KERNEL_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 OPERATORS_SOURCE = Path(__file__).parent / "ops.cpp"
@@ -58,10 +58,9 @@ def _built_and_loaded() -> Path | None:
         warnings.warn(f"lookahead's kernels not built: their sources are missing from {OPERATORS_SOURCE.parent} "
                       f"({', '.join(missing) or '*.c'}); steps run on torch's linears", RuntimeWarning, stacklevel=3)
         return None
-    cpu = Path("/proc/cpuinfo")
-    if platform.machine() not in ("x86_64", "AMD64") or not cpu.is_file():
+    if platform.machine() not in ("x86_64", "AMD64"):
         return None
-    flags = next((line for line in cpu.read_text().splitlines() if line.startswith("flags")), "")
+    flags = cpu_fields().get("flags", "")
     if "avx512f" not in flags.split():
         return None
     compilers = [_compiler(name, default) for name, default in (("CC", "cc"), ("CXX", "c++"))]
