@@ -50,6 +50,7 @@ def test_drafts_branch_at_the_first_two_tokens_up_to_the_branches_and_depth():
     assert [d.tokens for d in RecycleProposer(table, branches=3).propose([1, 5], 4)] == chains
     assert all(d.source == "recycle" for d in RecycleProposer(table, branches=3).propose([1, 5], 4))
     assert [d.tokens for d in RecycleProposer(table, branches=2).propose([1, 5], 4)] == [chains[0], chains[2]]
+    assert [d.tokens for d in RecycleProposer(table, branches=3).propose([1, 5], 2)] == [(6, 7), (6, 8), (7, 8), (8, 6)]
     assert [d.tokens for d in RecycleProposer(table, branches=3).propose([1, 5], 1)] == [(6,), (7,), (8,)]
     assert RecycleProposer(table, branches=1).propose([5], 100)[0].tokens == ((6, 7, 8) * 10)[:RECYCLED_DEPTH]
     assert RecycleProposer(table, branches=3).propose([1, 2], 4) == []  # nothing was ever predicted after 2
