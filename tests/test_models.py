@@ -441,3 +441,32 @@ def test_a_load_error_is_said_on_one_line_whole_not_cut_at_its_first():
                                 "file, (2) a slow one.")
     assert _one_line(ValueError("x" * 1000)) == "ValueError: " + "x" * 399 + "…"
     assert _one_line(OSError()) == "OSError"
+
+
+def test_a_tensor_parallel_load_of_a_gguf_file_holds_no_lock_the_other_processes_wait_on(cache, gguf_path, monkeypatch):
+    """Every process of a torchrun launch loads the file; the load itself waits for all of them (transformers makes
+    the process group), so it must not hold the copy's lock, which the others take first (they hung for good).
+    A plain load holds it, so that a concurrent run cannot remove the copy under it."""
+    from filelock import FileLock, Timeout
+
+    held = {}
+
+    def loaded(source, torch_dtype, where, tp_plan=None):
+        try:
+            FileLock(Path(source).parent / f".{gguf_path.stem}.lock").acquire(timeout=0).lock.release()
+            held[tp_plan] = False
+        except Timeout:
+            held[tp_plan] = True
+        return "model", "tokenizer"
+
+    monkeypatch.setattr(models, "_from_pretrained", loaded)
+    assert load_model(gguf_path, tp_plan="auto") == load_model(gguf_path) == ("model", "tokenizer")
+    assert held == {"auto": False, None: True}
+
+
+def test_tensor_parallelism_over_heads_that_do_not_divide_is_refused_before_loading(tiny_dir, monkeypatch):
+    """2 query heads and 1 key/value head over 2 processes: refused by name, not a shape error in the first forward."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(ModelLoadError, match=r"2 query heads and 1 key/value heads do not divide by 2 \(launch"):
+        load_model(tiny_dir, tp_plan="auto")

@@ -24,7 +24,8 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import (
-    AutoModelForCausalLM, AutoTokenizer, DistributedConfig, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase,
+    AutoConfig, AutoModelForCausalLM, AutoTokenizer, DistributedConfig, GgufConfig, PretrainedConfig, PreTrainedModel,
+    PreTrainedTokenizerBase,
 )
 
 from .config import cache_root
@@ -188,12 +189,31 @@ def _is_repo_id(text: str) -> bool:
     return not text.startswith(("~", "."))
 
 
+def _check_heads_split(config: PretrainedConfig) -> None:
+    """Tensor parallelism gives each process of the launch an equal share of the attention heads (query and
+    key/value): refused up front where the counts do not divide (transformers would fail deep in the first
+    forward with a shape error)."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    processes = torch.distributed.get_world_size() if distributed else int(os.environ.get("WORLD_SIZE", "1"))
+    text = config.get_text_config()
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads is not None and (heads % processes or kv_heads % processes):
+        raise ModelLoadError(f"tensor parallelism splits the attention heads across the {processes} processes of the "
+                             f"launch: this model's {heads} query heads and {kv_heads} key/value heads do not divide "
+                             f"by {processes} (launch a number of processes that divides both)")
+
+
 def _from_pretrained(source: str | Path, torch_dtype: torch.dtype, where: str, tp_plan: str | None = None):
     """Model and tokenizer from a folder or a hub id, in eval mode; a failure becomes one line naming `where`."""
     try:
+        if tp_plan is not None:
+            _check_heads_split(AutoConfig.from_pretrained(source))
         options = {"distributed_config": DistributedConfig(tp_plan=tp_plan)} if tp_plan is not None else {}
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **options)
         tokenizer = AutoTokenizer.from_pretrained(source)
+    except ModelLoadError:
+        raise
     except Exception as error:
         cache = hub_constants.HF_HUB_CACHE
         offline_miss = not Path(source).is_dir() and hub_constants.HF_HUB_OFFLINE and not (
@@ -281,5 +301,9 @@ def _load(name_or_path: str | os.PathLike | None, gguf_file: str | None, torch_d
             return _from_pretrained(text, torch_dtype, f"model {text!r} (not a local folder; looked on the Hugging "
                                                        f"Face hub, cache {hub_constants.HF_HUB_CACHE})", tp_plan)
     with _cached_gguf(Path(folder), gguf_file) as cached:
-        return _from_pretrained(cached, torch_dtype, f"the dequantised copy of {Path(folder) / gguf_file} at {cached}"
-                                                     " (delete that folder to redo it)", tp_plan)
+        where = f"the dequantised copy of {Path(folder) / gguf_file} at {cached} (delete that folder to redo it)"
+        if tp_plan is None:
+            return _from_pretrained(cached, torch_dtype, where)
+    # A tensor-parallel load waits for every process of the launch (it makes the process group): with the lock
+    # held through it, the others would wait on the lock for good (each has the copy once it gets the lock).
+    return _from_pretrained(cached, torch_dtype, where, tp_plan)
