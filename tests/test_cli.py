@@ -70,6 +70,14 @@ def _tiny_with(tiny_dir: str, tmp_path: Path, **settings) -> str:
     return str(folder)
 
 
+def test_compare_says_whether_greedy_outputs_are_identical_and_that_samples_are_not_compared(tiny_dir):
+    args = ["generate", "hi", "--model", tiny_dir, "--max-new-tokens", "4", "--compare"]
+    greedy, sampled = run_cli(*args), run_cli(*args, "--temperature", "0.8", "--seed", "1")
+    assert greedy.returncode == 0 and sampled.returncode == 0, greedy.stderr + sampled.stderr
+    assert "identical: True]" in greedy.stderr
+    assert "identical: not compared (sampled)]" in sampled.stderr
+
+
 def test_generate_runs_a_model_whose_generation_config_has_stop_strings(tiny_dir, tmp_path):
     """generate reads the model's stop strings, which need the tokenizer: the CLI always passes it."""
     folder = _tiny_with(tiny_dir, tmp_path, stop_strings=["\n\n"])

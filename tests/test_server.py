@@ -633,6 +633,13 @@ def test_a_wrong_api_key_is_refused_before_the_body_is_read(server):
         client(url, key="not-a-key").models.list()
     code, reply = raw(f"{url}/v1/chat/completions", {"model": MODEL}, key="not-a-key")  # no messages
     assert code == 401 and reply["error"]["code"] == "invalid_api_key"  # OpenAI's code
+    assert reply["error"]["message"].startswith("invalid API key: ")
+    try:  # no key at all: said so
+        urllib.request.urlopen(f"{url}/v1/models", timeout=60)
+    except urllib.error.HTTPError as error:
+        assert error.code == 401 and json.loads(error.read())["error"]["message"].startswith("no API key (no Authorization")
+    else:
+        pytest.fail("a request without a key was answered")
     assert [m.id for m in client(url).models.list().data] == [MODEL]
 
 

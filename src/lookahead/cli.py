@@ -254,7 +254,8 @@ def generate_command(
     if compare:
         summary += (
             f"; model.generate {report['baseline_seconds']:.2f}s vs lookahead {stats.seconds:.2f}s, "
-            f"speedup {report['speedup']:.2f}x, identical: {report['identical']}"
+            f"speedup {report['speedup']:.2f}x, identical: "
+            + ("not compared (sampled)" if report["identical"] is None else str(report["identical"]))
         )
     print(summary + "]", file=sys.stderr)  # the reply alone on stdout, for a pipe or a file
 

@@ -668,8 +668,9 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         # Compared in a time that does not tell how much of a key a guess got right.
         matches = [hmac.compare_digest(given.encode(), key.encode()) for key in api_keys]
         if scheme.lower() != "bearer" or not any(matches):
-            raise APIError(401, "invalid API key: pass one of the server's --api-key values as a Bearer token",
-                           kind="authentication_error", code="invalid_api_key")
+            problem = "invalid API key" if given else "no API key (no Authorization header, or an empty one)"
+            raise APIError(401, f"{problem}: pass one of the server's --api-key values as a Bearer token "
+                           "(Authorization: Bearer KEY)", kind="authentication_error", code="invalid_api_key")
         return given
 
     def served(model_id: str) -> None:
