@@ -191,7 +191,9 @@ def _corpus_beyond_the_vocabulary() -> Corpus:
         ({"corpus": _corpus_beyond_the_vocabulary()}, ValueError,
          r"the corpus holds token id 700, outside the model's vocabulary \[0, 128\)"),
         ({"input_ids": torch.zeros(0, 5, dtype=torch.long)}, ValueError, r"input_ids holds no prompt \(shape \[0, 5\]\)"),
-        ({"input_ids": "hello"}, ValueError, r"input_ids must be token ids \(a list of ints or an integer tensor\), got str"),
+        ({"input_ids": "hello"}, ValueError, r"input_ids must be token ids \(a list of ints or an integer tensor\), got str "
+                                             r"\(text: encode it with the tokenizer first"),
+        ({"input_ids": ["hello", "hi"]}, ValueError, r"must be token ids .*, got list of str \(text: encode it"),
         ({"proposers": [object()]}, TypeError, r"proposers must be a list of draft sources with propose\(text, limit\)"),
         ({"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.tensor([[0, 0, 0], [1, 1, 1]])},
          ValueError, "attention_mask leaves row 0 without a token"),
@@ -206,7 +208,7 @@ def _corpus_beyond_the_vocabulary() -> Corpus:
         ({"output_attentions": True}, ValueError, "output_attentions=True: lookahead's generate returns scores"),
     ],
     ids=["temperature", "top-p", "eos-float", "eos-string", "eos-negative", "pad", "corpus-type",
-         "corpus-vocabulary", "no-prompt", "text-prompt", "proposer", "empty-row", "unknown-option",
+         "corpus-vocabulary", "no-prompt", "text-prompt", "texts-prompt", "proposer", "empty-row", "unknown-option",
          "generation-config-type", "beam-search", "forced-words", "sampled-sequences", "assistant-model",
          "output-logits-type", "attentions"],
 )

@@ -656,8 +656,11 @@ def as_token_tensor(input_ids: object, name: str = "input_ids") -> torch.Tensor:
     try:
         return torch.as_tensor(input_ids)
     except (TypeError, ValueError, RuntimeError) as error:
-        raise ValueError(f"{name} must be token ids (a list of ints or an integer tensor), got "
-                         f"{type(input_ids).__name__}") from error
+        text = isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and input_ids
+                                              and all(isinstance(item, str) for item in input_ids))
+        got = f"{type(input_ids).__name__} of str" if text and not isinstance(input_ids, str) else type(input_ids).__name__
+        hint = " (text: encode it with the tokenizer first, e.g. lookahead.prompts.encode_prompt)" if text else ""
+        raise ValueError(f"{name} must be token ids (a list of ints or an integer tensor), got {got}{hint}") from error
 
 
 def _prompt_tensor(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
