@@ -606,3 +606,15 @@ def test_the_window_is_not_fed_on_a_requests_last_step(llama_tiny, config):
     out = generate(llama_tiny, prompt, max_new_tokens=1, config=config, eos_token_id=[])
     assert (out.stats.steps, out.stats.tokens_fed) == (1, 1)
     assert out.sequences.tolist() == reference_greedy(llama_tiny, prompt, 1, eos_token_id=[]).tolist()
+
+
+def test_the_kv_store_is_sized_by_this_processs_share_of_the_heads_under_tensor_parallelism(llama_tiny, monkeypatch):
+    """Under tensor parallelism each process caches its share of the key/value heads: the memory check counts
+    that share, not every head (which refused batches that fit)."""
+    import lookahead.hf as hf
+
+    runner = hf.HFModelRunner(llama_tiny)
+    whole = runner.kv_bytes_per_position()
+    monkeypatch.setattr(hf, "is_sharded", lambda model: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert runner.kv_bytes_per_position() * 2 == whole

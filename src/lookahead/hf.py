@@ -707,9 +707,12 @@ class HFModelRunner:
         return self.model.config.get_text_config(decoder=True).num_hidden_layers
 
     def kv_bytes_per_position(self) -> int:
-        """Bytes the KV store holds per cached position of one sequence (keys and values, every layer)."""
+        """Bytes the KV store holds per cached position of one sequence (keys and values, every layer), in this
+        process: under tensor parallelism it holds its share of the key/value heads."""
         config = self.model.config.get_text_config(decoder=True)
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        if is_sharded(self.model):
+            heads //= torch.distributed.get_world_size()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return 2 * self.num_layers * heads * head_dim * torch.finfo(self.dtype).bits // 8
 
