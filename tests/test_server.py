@@ -280,6 +280,10 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
          "suffix"),
         ("completions", {"model": MODEL, "prompt": "hi", "response_format": {"type": "text"}}, 400,
          "unrecognized request field 'response_format'", "response_format"),
+        ("chat", {"model": MODEL, "messages": [{"role": "user", "content": "hi", "nmae": "Ann"}]}, 400, "nmae",
+         "messages[0].nmae"),
+        ("chat", {"model": MODEL, "messages": HI, "stream": True, "stream_options": {"include_usgae": True}}, 400,
+         "include_usgae", "stream_options.include_usgae"),
     ],
     ids=["no-messages", "messages-not-a-list", "n=2", "negative-max-tokens", "unknown-model", "oversized-messages",
          "oversized-prompt", "max-tokens-past-max-length", "max-completion-tokens-past-max-length", "bad-lookahead",
@@ -293,7 +297,7 @@ def test_a_client_that_leaves_before_a_plain_reply_frees_its_slot(server, defaul
          "temperature-a-boolean", "n-a-float", "include-usage-a-number", "stop-list-with-a-number", "seventeen-stops",
          "stop-of-1001-characters",
          "lookahead-window-a-string", "role-a-number", "unknown-role", "misspelt-field", "vllm-guided-json",
-         "chat-suffix", "completion-response-format"],
+         "chat-suffix", "completion-response-format", "misspelt-message-field", "misspelt-stream-option"],
 )
 def test_bad_requests_get_openai_errors_naming_the_field_and_the_server_keeps_serving(server, path, body, status,
                                                                                      words, param):
@@ -826,6 +830,20 @@ def test_metrics_count_requests_tokens_and_latencies(server):
     assert after["lookahead_queue_depth"] == 0 and after["lookahead_running"] == 0
     assert grew('lookahead_error_responses_total{status="400"}') == 1
     assert grew('lookahead_error_responses_total{status="401"}') == 1
+    # A reply cut by a stop string counts the tokens sent, not the engine's past the cut, and finishes; a request
+    # of two prompts is one request.
+    before = after
+    cut = client(url).completions.create(model=MODEL, prompt="One, two, three,", max_tokens=10, temperature=0,
+                                         stop=[reply.choices[0].text.split(",")[1]])
+    both = client(url).completions.create(model=MODEL, prompt=["One, two,", "Red, green,"], max_tokens=3, temperature=0)
+    after = scrape(url)
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens < made
+    assert grew('lookahead_requests_total{endpoint="completions"}') == 2
+    assert grew("lookahead_generated_tokens_total") == cut.usage.completion_tokens + both.usage.completion_tokens
+    first_tokens = 3  # of the three prompts: no interval before them
+    assert grew("lookahead_inter_token_latency_seconds_count") == (
+        cut.usage.completion_tokens + both.usage.completion_tokens - first_tokens)
+    assert grew("lookahead_tokens_per_step_count") == 3
 
 
 def chromium_driver(tmp_path):

@@ -123,10 +123,18 @@ class Message(_Body):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # What an assistant message of OpenAI's replies carries besides, sent back with the conversation: accepted,
+    # not rendered. Any other field is refused, as at the top level (a misspelt one would be ignored).
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class _Common(_Body):
@@ -724,8 +732,9 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                              logits_processor=[penalties] if penalties is not None else None)
 
     async def run(request: Request, body: RequestBody, prompt: torch.Tensor, params: RequestParams, chat: bool,
-                  text: str = ""):
-        """One prompt's reply (`text`: its text, which `echo` repeats)."""
+                  text: str = "", alone: bool = True):
+        """One prompt's reply (`text`: its text, which `echo` repeats; `alone`: the request's only prompt, which
+        counts the request in the metrics once it is accepted)."""
         stops = body.stop_strings()
         started = time.time()
         arrived = time.perf_counter()
@@ -740,7 +749,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                 if rid is not None:
                     runner.abort(rid)
                 raise
-        metrics.requests.labels("chat" if chat else "completions").inc()
+        if alone:
+            metrics.requests.labels("chat" if chat else "completions").inc()
         metrics.prompt_tokens.inc(prompt.numel())
         reply = _Reply(tokenizer, stops, eos_ids(model, params.eos_token_id))
         steps = 0  # decoding steps that gave this request tokens
@@ -762,26 +772,28 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                     if isinstance(output, APIError):
                         raise output
                     now = time.perf_counter()
-                    if output.tokens:
+                    if logprobs is not None and output.tokens:
+                        logprobs.add(output.tokens, output.logits)
+                    before = reply.tokens
+                    piece = reply.add(output.tokens, output.finished)
+                    kept = reply.tokens - before  # the step's tokens up to a stop string's cut: the reply's
+                    if kept:
                         # Tokens of one step arrive together: they share its interval (the first step's
                         # later tokens came with the first one, at no interval).
-                        gaps = [0.0] * (len(output.tokens) - 1) if last is None else \
-                            [(now - last) / len(output.tokens)] * len(output.tokens)
+                        gaps = [0.0] * (kept - 1) if last is None else [(now - last) / kept] * kept
                         if last is None:
                             metrics.first_token.observe(now - arrived)
                         for gap in gaps:
                             metrics.inter_token.observe(gap)
                         last = now
                         steps += 1
-                        metrics.tokens.inc(len(output.tokens))
-                    if output.stats is not None and output.stats.steps:
-                        metrics.tokens_per_step.observe(output.stats.tokens_per_step)
-                    if logprobs is not None and output.tokens:
-                        logprobs.add(output.tokens, output.logits)
-                    piece = reply.add(output.tokens, output.finished)
+                        metrics.tokens.inc(kept)
+                    done = reply.stopped or output.finished
+                    if done and steps:  # ended by the engine or by a stop string; not a client that went away
+                        metrics.tokens_per_step.observe(reply.tokens / steps)
                     if piece:
                         yield piece
-                    if reply.stopped or output.finished:
+                    if done:
                         return
             finally:  # a finished request is gone already; a stop string ends it, a client gone drops it
                 if reply.stopped:
@@ -870,10 +882,11 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                            "prompt")
         try:
             async with asyncio.TaskGroup() as group:  # one failing ends the others
-                tasks = [group.create_task(run(request, body, ids, params, chat=chat, text=text))
+                tasks = [group.create_task(run(request, body, ids, params, chat=chat, text=text, alone=False))
                          for ids, text, params in prompts]
         except ExceptionGroup as failed:
             raise next((e for e in failed.exceptions if isinstance(e, APIError)), failed.exceptions[0]) from None
+        metrics.requests.labels("chat" if chat else "completions").inc()  # once for its prompts, all answered
         replies = [task.result() for task in tasks]
         gone = next((reply for reply in replies if isinstance(reply, Response)), None)
         if gone is not None:  # the client left
