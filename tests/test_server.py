@@ -1414,3 +1414,25 @@ def test_the_page_sends_once_keeps_a_conversation_within_the_context_and_starts_
         assert text("tokens") == "0" and text("state") == "idle"
     finally:
         browser.quit()
+
+
+def test_a_text_too_long_to_fit_is_refused_without_tokenizing_it(server, default_model, monkeypatch):
+    """Tokenizing megabytes takes seconds on the one thread every request's prompt waits for: a text with more
+    characters than max_length tokens of the longest piece could hold (times a slack) is refused before it."""
+    from lookahead import serve
+
+    url, _ = server
+    _, tokenizer = default_model
+    longest = max(map(len, tokenizer.get_vocab()))
+    limit = serve.TEXT_SLACK * longest * 1024  # the fixture's max_length
+    calls = []
+    monkeypatch.setattr(serve.ChatRequest, "prompts", lambda *args: calls.append(args) or pytest.fail("tokenized"))
+    monkeypatch.setattr(serve.CompletionRequest, "prompts", lambda *args: calls.append(args) or pytest.fail("tokenized"))
+    for path, body, field in (
+            ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a" * (limit + 1)}]},
+             "messages"),
+            ("completions", {"model": MODEL, "prompt": ["hi", "a" * (limit + 1)]}, "prompt")):
+        code, reply = raw(f"{url}/v1/{path}", body)
+        assert code == 400 and reply["error"]["param"] == field and reply["error"]["code"] == "context_length_exceeded"
+        assert f"holds {limit + 1} characters of text" in reply["error"]["message"]
+    assert not calls

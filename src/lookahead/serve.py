@@ -75,6 +75,7 @@ DISCONNECT_POLL_SECONDS = 0.25
 INT64 = (-(2**63), 2**63 - 1)  # a seed's range
 # A request body's size at most: a full context of token ids for each prompt the server can hold is far less.
 MAX_BODY_BYTES = 16 * 2**20
+TEXT_SLACK = 4  # see `answer`: a prompt's characters past this times max_length times the longest piece's are refused
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # Stop strings a request may give, and their length: each is searched for at every step (OpenAI takes 4).
 MAX_STOPS, MAX_STOP_CHARACTERS = 16, 1000
@@ -240,6 +241,10 @@ class ChatRequest(_Common):
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def text_size(self) -> int:
+        """Characters of text in the prompt (the messages' contents), before anything tokenizes it."""
+        return sum(len(_message_text(m, i)) for i, m in enumerate(self.messages))
+
     def prompts(self, tokenizer: PreTrainedTokenizerBase, vocabulary: int) -> list[tuple[torch.Tensor, str]]:
         """The conversation through the chat template (or its texts joined by lines without one); no text (a chat
         reply does not echo)."""
@@ -279,6 +284,10 @@ class CompletionRequest(_Common):
 
     def prompt_count(self) -> int:
         return len(self._given())
+
+    def text_size(self) -> int:
+        """Characters of the longest prompt given as text, before anything tokenizes it."""
+        return max((len(text) for text in self._given() if isinstance(text, str)), default=0)
 
     def prompts(self, tokenizer: PreTrainedTokenizerBase, vocabulary: int) -> list[tuple[torch.Tensor, str]]:
         """Each prompt's token ids and text (token ids given: their decoded text); 400 for none or for a token
@@ -632,6 +641,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     score_prompt = _PromptScorer(model, max_batch + max_queue - 1, functools.partial(_server_full, max_batch, max_queue))
     corpora: dict[str | None, Corpus] = {}
     tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookahead-tokenizer")
+    piece_characters = max(map(len, tokenizer.get_vocab()), default=1)  # the longest text one token stands for
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -870,6 +880,14 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         if count > max_batch + max_queue:  # a 429 would never pass: they could not all get in at once
             raise APIError(400, f"prompt holds {count} prompts; this server takes at most {max_batch + max_queue}"
                                 " in one request (--max-batch + --max-queue)", "prompt")
+        # A text that cannot fit is refused untokenized: tokenizing megabytes takes seconds, on the one thread that
+        # every request's prompt waits for. Its tokens are at least its characters over the longest piece's (a
+        # tokenizer's normalising may shorten a text: TEXT_SLACK times that, to refuse none that could fit).
+        if body.text_size() > TEXT_SLACK * piece_characters * engine.max_length:
+            raise APIError(400, f"{body.PROMPT_FIELD} holds {body.text_size()} characters of text: far more tokens "
+                                f"than the server's max_length of {engine.max_length} positions (this tokenizer's "
+                                f"pieces are at most {piece_characters} characters long)", body.PROMPT_FIELD,
+                           code="context_length_exceeded")
         # Tokenizing a long prompt takes a while: on a thread of its own, the event loop streams other replies
         # meanwhile (one thread: a tokenizer is not made to be called from several at once).
         encoded = await asyncio.get_running_loop().run_in_executor(
