@@ -349,6 +349,21 @@ def test_lookahead_on_transformers_tensor_parallelism_equals_greedy_generate(sha
     assert reports[0]["new_tokens"] == expected.numel() and reports[0]["tokens_per_step"] > 1.0
 
 
+def test_bench_parallel_refuses_prompts_past_the_context_before_any_worker_starts(tiny_dir):
+    result = run("bench", "parallel", "--model", tiny_dir, "--workers", "1,2", "--limit", "1", "--max-new-tokens", "5000")
+    assert result.returncode == 2 and "exceeds the model's context" in result.stderr
+    assert "Traceback" not in result.stderr and "worker" not in result.stderr
+
+
+def test_under_torchrun_one_process_options_and_a_prompt_from_stdin_are_refused_as_such(monkeypatch):
+    """torchrun's processes, not --workers: the refusal says so; its standard input reaches one process alone."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    stop = run("generate", "hello", "--stop", "x")
+    assert stop.returncode == 2 and "--stop runs in one process; not under torchrun" in stop.stderr
+    piped = run("generate", "-")
+    assert piped.returncode == 2 and "reaches one of torchrun's processes only" in piped.stderr
+
+
 def test_tensor_parallel_needs_torchrun():
     result = run("generate", "hello", "--tensor-parallel")
     assert result.returncode == 2 and "--tensor-parallel" in result.stderr and "torchrun" in result.stderr

@@ -145,6 +145,9 @@ def generate_command(
     config = _config(window, ngram, guesses, suffix)
     compile = _compile_mode(compile, cpp_wrapper)
     if prompt == "-":
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun hands its standard input to one process alone
+            raise typer.BadParameter("a prompt from standard input ('-') reaches one of torchrun's processes only: "
+                                     "pass the prompt as an argument", param_hint="PROMPT")
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise typer.BadParameter("the prompt is empty" + (" (or blank)" if prompt else ""), param_hint="PROMPT")
@@ -169,9 +172,10 @@ def generate_command(
     elif workers > 1 or launched > 1:
         if workers > 1 and launched > 1:
             raise typer.BadParameter("torchrun started the processes already; drop --workers", param_hint="--workers")
+        several = "drop --workers" if workers > 1 else "not under torchrun"
         for given, option in ((compare, "--compare"), (compile, "--compile/--cpp-wrapper"), (stop, "--stop")):
             if given:
-                raise typer.BadParameter(f"{option} runs in one process; drop --workers", param_hint=option)
+                raise typer.BadParameter(f"{option} runs in one process; {several}", param_hint=option)
     import torch  # after the checks above, which need none of these
     import torch.distributed as dist
     from transformers import TextStreamer
@@ -257,7 +261,8 @@ def generate_command(
             f"speedup {report['speedup']:.2f}x, identical: "
             + ("not compared (sampled)" if report["identical"] is None else str(report["identical"]))
         )
-    print(summary + "]", file=sys.stderr)  # the reply alone on stdout, for a pipe or a file
+    if not (tensor_parallel and int(os.environ.get("RANK", "0")) != 0):  # under tensor parallelism, rank 0 reports
+        print(summary + "]", file=sys.stderr)  # the reply alone on stdout, for a pipe or a file
 
 
 def _print_version(asked: bool) -> None:
@@ -762,8 +767,12 @@ def bench_parallel_command(
     from .bench.parallel import curve_from_points, parallel_runs, parallel_table, predicted_speedups, prediction_table
     from .bench.report import write_parallel
     from .bench.runner import environment
+    import torch
+
     from .costs import CostCurve, forward_cost
+    from .engine import check_request
     from .hf import HFModelRunner
+    from .parallel import WorkerError
     from .prompts import encode_prompt
 
     counts = _int_list(workers, "--workers")
@@ -783,11 +792,19 @@ def bench_parallel_command(
     prompts = _workload(dataset, 1, raw, None, limit)
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw)[0].tolist() for p in prompts]
+    try:  # here, before any worker starts
+        for ids in inputs:
+            check_request(lm, torch.tensor(ids), max_new_tokens)
+    except ValueError as error:
+        _fail(str(error))
     with _progress() as progress:
         task = progress.add_task("worker counts", total=len(counts), last="")
-        runs = parallel_runs(model, gguf_file, dtype, inputs, counts, threads, max_new_tokens, config,
-                             on_run=lambda r: progress.update(task, advance=1, last=f"{r.workers} workers: "
-                                                              f"{r.tokens_per_second:.1f} tok/s"))
+        try:
+            runs = parallel_runs(model, gguf_file, dtype, inputs, counts, threads, max_new_tokens, config,
+                                 on_run=lambda r: progress.update(task, advance=1, last=f"{r.workers} workers: "
+                                                                  f"{r.tokens_per_second:.1f} tok/s"))
+        except WorkerError as error:
+            _fail(str(error))
     if given_curve is not None:
         curve, source = given_curve, str(cost_file)
     else:
