@@ -764,11 +764,11 @@ def bench_parallel_command(
 ) -> None:
     """1..K worker processes sharing each step (gloo, --threads each) at one fixed W,N,G: tokens/s, steps/s,
     identical outputs; and the speedup a cost model predicts for K devices from T(k)."""
+    import torch
+
     from .bench.parallel import curve_from_points, parallel_runs, parallel_table, predicted_speedups, prediction_table
     from .bench.report import write_parallel
     from .bench.runner import environment
-    import torch
-
     from .costs import CostCurve, forward_cost
     from .engine import check_request
     from .hf import HFModelRunner
