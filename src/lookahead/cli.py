@@ -157,6 +157,8 @@ def generate_command(
     if stop is not None and not all(stop):
         raise typer.BadParameter("a stop string must not be empty", param_hint="--stop")
     launched = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes
+    # Under tensor parallelism every process decodes the same tokens; rank 0 reports them.
+    reports = not tensor_parallel or int(os.environ.get("RANK", "0")) == 0
     if tensor_parallel:
         from .quant import QUANTISED_WEIGHTS
 
@@ -166,7 +168,7 @@ def generate_command(
         if launched < 2 or workers > 1:
             raise typer.BadParameter("takes processes started by torchrun (torchrun --nproc-per-node K -m lookahead "
                                      "generate ... --tensor-parallel), without --workers", param_hint="--tensor-parallel")
-        if int(os.environ.get("RANK", "0")) != 0:  # every process decodes the same tokens; rank 0 reports them
+        if not reports:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of this process
         launched = 1  # one logical process: the model's forward spans them all
     elif workers > 1 or launched > 1:
@@ -261,7 +263,7 @@ def generate_command(
             f"speedup {report['speedup']:.2f}x, identical: "
             + ("not compared (sampled)" if report["identical"] is None else str(report["identical"]))
         )
-    if not (tensor_parallel and int(os.environ.get("RANK", "0")) != 0):  # under tensor parallelism, rank 0 reports
+    if reports:
         print(summary + "]", file=sys.stderr)  # the reply alone on stdout, for a pipe or a file
 
 
