@@ -132,6 +132,19 @@ def test_text_completion_and_stop_strings(server, default_model):
     assert through < 20 and cut.usage.completion_tokens == through
 
 
+def test_a_stop_string_that_ends_the_prompt_cuts_the_reply_alone(server, default_model):
+    """The engine ends a request at a stop string of its reply's text, not one that the prompt's end and the
+    reply's first token make (or the prompt alone): the reply goes on to its own first stop string."""
+    url, _ = server
+    model, tokenizer = default_model
+    prompt = "Count: one, two,"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    expected = tokenizer.decode(reference_greedy(model, ids, 12)[0, ids.shape[1]:], skip_special_tokens=True)
+    assert expected.find(",") > 1  # a word before the reply's first comma
+    cut = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[","])
+    assert cut.choices[0].text == expected[: expected.find(",")] and cut.choices[0].finish_reason == "stop"
+
+
 def test_thirty_two_concurrent_streams_each_equal_their_request_alone(server, default_model):
     url, _ = server
     questions = [f"Write one sentence about the number {i}." for i in range(32)]
@@ -716,9 +729,11 @@ def test_the_corpus_is_kept_per_api_key(server):
     assert ((len(other), len(other.successors)) if other is not None else (0, 0)) == before[KEYS[1]]
 
 
-def test_a_reply_cut_by_a_stop_string_joins_the_corpus_up_to_the_cut(server, default_model):
+@pytest.mark.parametrize("past_cut", [1, 8])
+def test_a_reply_cut_by_a_stop_string_joins_the_corpus_up_to_the_cut(server, default_model, past_cut):
     """A stop string ends a request as its last token would: its text so far joins its key's corpus (the
-    tokens the engine decoded past the cut do not)."""
+    tokens the engine decoded past the cut do not), also where max_tokens ends the request a token past the
+    cut (past_cut 1), a step later or in the same step, before the reply's reader has seen the cut."""
     url, app = server
     model, tokenizer = default_model
     prompt = "def fibonacci(n):"
@@ -729,7 +744,8 @@ def test_a_reply_cut_by_a_stop_string_joins_the_corpus_up_to_the_cut(server, def
     _settled(app)
     corpus = app.state.corpora.get(KEYS[0])
     documents = len(corpus) if corpus is not None else 0
-    cut = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
+    cut = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=through + past_cut, temperature=0,
+                                         stop=[stop])
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == through
     _settled(app)
     corpus = app.state.corpora[KEYS[0]]

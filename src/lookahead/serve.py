@@ -40,7 +40,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from transformers import LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria
 
 from .config import AUTO_CONFIG, PLAIN_CONFIG, LookaheadConfig
 from .core.suffix import Corpus
@@ -734,12 +734,14 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
             corpora[key] = Corpus(max_megabytes=corpus_megabytes)
         corpus = corpora.get(key)
         penalties = OpenAIPenalties.of(body, prompt.numel(), vocabulary_size(model))
+        stops = [stop for stop in body.stop_strings() if stop]
         return RequestParams(max_new_tokens=new_tokens(body, prompt), config=_lookahead_config(body.lookahead),
                              do_sample=body.temperature > 0, temperature=body.temperature or None,
                              top_p=body.top_p or 1.0, top_k=1 if body.top_p == 0 else max(body.top_k, 0),
                              seed=body.seed if body.temperature > 0 else None,
                              corpus=corpus, output_logits=body.logprobs_asked() is not None,
-                             logits_processor=[penalties] if penalties is not None else None)
+                             logits_processor=[penalties] if penalties is not None else None,
+                             stopping_criteria=[_ReplyStop(tokenizer, stops, prompt.numel())] if stops else None)
 
     async def run(request: Request, body: RequestBody, prompt: torch.Tensor, params: RequestParams, chat: bool,
                   text: str = "", alone: bool = True):
@@ -1096,9 +1098,7 @@ class _Reply:
         return piece
 
     def _decode(self, ids: list[int]) -> str:
-        # Without the legacy clean-up of spaces (" ." -> "."), which a later token can undo in text already sent;
-        # the same decoding for pieces and stop strings.
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return _reply_text(self.tokenizer, ids)
 
     def _decode_new(self, finished: bool) -> None:
         """Extend `text` by the new tokens' complete characters (all of them once `finished`)."""
@@ -1113,6 +1113,29 @@ class _Reply:
         text = self._decode(self.ids[:count])
         found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
         return text[:min(found)] if found else None
+
+
+class _ReplyStop(StoppingCriteria):
+    """Ends a request at the token that completes a stop string in its reply's text, where `_Reply` cuts it,
+    so that the engine decodes nothing past the cut (nor gives it to the corpus) when the request's reader
+    sees the cut a step later or the same step ends the request at max_tokens. Only the reply's last tokens
+    are decoded: a stop string in their text is in the whole reply's too (decoding from a later token only
+    drops characters in front), and one spread over more tokens is left to the reader."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str], prompt_length: int) -> None:
+        self.tokenizer, self.stops, self.prompt_length = tokenizer, stops, prompt_length
+        self.window = 2 * max(map(len, stops)) + 4  # tokens: most pieces hold a character or more
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs) -> torch.Tensor:
+        tail = input_ids[0, self.prompt_length:][-self.window:].tolist()
+        text = _reply_text(self.tokenizer, tail)
+        return torch.tensor([any(stop in text for stop in self.stops)])
+
+
+def _reply_text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    # Without the legacy clean-up of spaces (" ." -> "."), which a later token can undo in text already sent;
+    # the same decoding for pieces and stop strings.
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 def _stop_started(text: str, stops: list[str]) -> int:
