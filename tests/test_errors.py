@@ -247,6 +247,29 @@ def test_corpus_documents_are_token_ids():
             Corpus().add(document)
 
 
+def test_a_corpus_serves_the_models_of_one_vocabulary(llama_tiny):
+    """The first model to draft from a corpus sets its vocabulary: a model of another size is refused before any
+    work (the corpus's predictions and documents hold ids it may lack: a step fed one failed, the whole batch's),
+    ids outside it are refused when added, and a cleared corpus serves any model again."""
+    from conftest import _COMMON
+
+    corpus = Corpus()
+    generate(llama_tiny, [5, 6, 7, 5, 6], max_new_tokens=8, corpus=corpus)  # vocabulary 128
+    assert len(corpus) == 1 and len(corpus.successors) > 0
+    torch.manual_seed(0)
+    larger = LlamaForCausalLM(LlamaConfig(**{**_COMMON, "vocab_size": 256})).eval()
+    with pytest.raises(ValueError, match="the corpus serves models of a 128-token vocabulary, and this model's has "
+                                         "256 tokens: a corpus serves the models of one tokenizer"):
+        generate(larger, [5, 6, 7], max_new_tokens=4, corpus=corpus)
+    with pytest.raises(ValueError, match=r"a corpus document holds token id 200, outside the vocabulary \[0, 128\)"):
+        corpus.add([5, 200])
+    assert len(corpus) == 1  # nothing of the refused document was kept
+    corpus.clear()
+    out = generate(larger, [5, 6, 7], max_new_tokens=8, corpus=corpus)
+    assert torch.equal(out.sequences, reference_greedy(larger, torch.tensor([[5, 6, 7]]), 8))
+    assert corpus.vocabulary == 256
+
+
 def test_a_gguf_file_name_needs_the_folder_it_is_in():
     with pytest.raises(ModelLoadError, match=r"gguf_file \(my-finetune.Q8_0.gguf\) names a file inside the model's "
                                              "folder"):

@@ -121,8 +121,19 @@ def test_bytes_per_token_bounds_the_automaton_memory():
 
 @pytest.mark.parametrize("value", [0, -1, "8", True, float("nan"), float("inf")])
 def test_corpus_cap_must_be_positive(value):
-    with pytest.raises(ValueError, match="max_megabytes must be a number > 0"):
+    with pytest.raises(ValueError, match=r"max_megabytes must be a number in \(0, 2\*\*40\]"):
         Corpus(max_megabytes=value)
+
+
+@pytest.mark.parametrize("value", ["int64", "float32", 1e308])
+def test_a_corpus_cap_may_be_any_real_number_and_a_huge_one_is_refused(value):
+    import numpy as np
+
+    if value == 1e308:  # refused as a value, not by an OverflowError
+        with pytest.raises(ValueError, match=r"max_megabytes must be a number in \(0, 2\*\*40\], got 1e\+308"):
+            Corpus(max_megabytes=value)
+    else:
+        assert Corpus(max_megabytes=getattr(np, value)(2)).max_tokens == Corpus(max_megabytes=2).max_tokens
 
 
 def test_a_corpus_cap_too_small_for_one_token_is_refused_and_the_smallest_holds_one():

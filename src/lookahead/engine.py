@@ -690,10 +690,7 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
     if params.corpus is not None:
         if not isinstance(params.corpus, Corpus):
             raise TypeError(f"corpus must be a lookahead Corpus or None, got {type(params.corpus).__name__}")
-        vocabulary = vocabulary_size(model)
-        if params.corpus.largest_token >= vocabulary:
-            raise ValueError(f"the corpus holds token id {params.corpus.largest_token}, outside the model's "
-                             f"vocabulary [0, {vocabulary}): a corpus serves the models of one tokenizer")
+        params.corpus.serve(vocabulary_size(model))
     if params.seed is not None:
         if isinstance(params.seed, bool) or not isinstance(params.seed, numbers.Integral) or not (
                 -2**63 <= params.seed < 2**64):

@@ -133,14 +133,15 @@ class Corpus:
     outputs (the same document, the same codebase). Bounded: past `max_megabytes` the oldest documents
     are dropped first, down to three quarters of the cap. Documents are kept apart by separators, so no
     match crosses two of them. `successors`: the model's predictions after each token, shared the same way by the recycle source
-    (one entry per vocabulary token at most, outside the cap)."""
+    (one entry per vocabulary token at most, outside the cap). It serves the models of one vocabulary: the
+    first request's model sets its size (`serve`), and a model of another size is refused."""
 
     KEPT_AFTER_EVICTION = 0.75
 
     def __init__(self, max_megabytes: float = 64.0) -> None:
-        if (isinstance(max_megabytes, bool) or not isinstance(max_megabytes, (int, float))
-                or not 0 < max_megabytes < math.inf):
-            raise ValueError(f"max_megabytes must be a number > 0, got {max_megabytes!r}")
+        if (isinstance(max_megabytes, bool) or not isinstance(max_megabytes, numbers.Real)
+                or not 0 < max_megabytes <= 2**40):
+            raise ValueError(f"max_megabytes must be a number in (0, 2**40], got {max_megabytes!r}")
         self.max_tokens = int(max_megabytes * 2**20 / BYTES_PER_TOKEN)
         if self.max_tokens < 2:  # a separator and one token
             raise ValueError(f"max_megabytes must hold at least one token ({2 * BYTES_PER_TOKEN / 2**20:.4f} MB, "
@@ -149,12 +150,17 @@ class Corpus:
         self.automaton = SuffixAutomaton()
         self.successors = SuccessorTable()
         self.version = 0  # changes whenever the automaton is replaced or grows
-        self.largest_token = -1  # the largest token id held (-1: none), checked against a model's vocabulary
+        self.largest_token = -1  # the largest token id held (-1: none)
+        self.vocabulary: int | None = None  # the vocabulary size of the models it serves (None: none yet)
 
     def add(self, tokens: Sequence[int]) -> None:
         """Add one document: token ids (a sequence of ints, or a 1-D array or tensor of them); the oldest
-        documents go if the corpus outgrows its cap. Raises ValueError for anything else."""
+        documents go if the corpus outgrows its cap. Raises ValueError for anything else, and for ids
+        outside the vocabulary it serves."""
         tokens = _token_ids(tokens)
+        if self.vocabulary is not None and max(tokens, default=-1) >= self.vocabulary:
+            raise ValueError(f"a corpus document holds token id {max(tokens)}, outside the vocabulary [0, "
+                             f"{self.vocabulary}) of the models this corpus serves")
         document = tuple(tokens[-self.max_tokens + 1 :]) if len(tokens) >= self.max_tokens else tuple(tokens)
         self._documents.append(document)
         if len(self.automaton) + len(document) + 1 > self.max_tokens:
@@ -170,10 +176,25 @@ class Corpus:
         self.version += 1
 
     def clear(self) -> None:
+        """Empty, as new: it may then serve the models of another vocabulary."""
         self._documents.clear()
         self.successors.clear()
         self._rebuild()
+        self.vocabulary = None
         self.version += 1
+
+    def serve(self, vocabulary: int) -> None:
+        """Serve a model of a vocabulary of this size from now on (a request's, before it drafts from the
+        corpus). Raises ValueError where the corpus serves another size, or holds ids outside it: the ids of
+        one tokenizer mean nothing to another, and a draft of ids past a model's vocabulary cannot be fed."""
+        if self.vocabulary is None and self.largest_token < vocabulary:
+            self.vocabulary = vocabulary
+        elif self.vocabulary is None:
+            raise ValueError(f"the corpus holds token id {self.largest_token}, outside the model's vocabulary "
+                             f"[0, {vocabulary}): a corpus serves the models of one tokenizer")
+        elif self.vocabulary != vocabulary:
+            raise ValueError(f"the corpus serves models of a {self.vocabulary}-token vocabulary, and this model's "
+                             f"has {vocabulary} tokens: a corpus serves the models of one tokenizer")
 
     @property
     def tokens(self) -> int:
