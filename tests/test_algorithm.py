@@ -746,6 +746,8 @@ def test_a_callers_drafts_are_checked_token_ids_made_ints():
     draft = _checked([np.int64(3), 0, 9])  # numpy ints, and both ends of the vocabulary, are token ids
     assert draft.tokens == (3, 0, 9) and all(type(token) is int for token in draft.tokens)
     assert _checked([12], vocabulary=None).tokens == (12,)  # no vocabulary: not checked against one
+    # Counted under the source's own name (that of its class where it has none), not the name its drafts give.
+    assert _checked([], source=_Nameless([4])).source == "_Nameless"
     for token, kind in ((3.0, "float"), (True, "bool")):
         message = f"draft source 'extra' proposed {token!r} ({kind}), not a token id (an int)"
         with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):

@@ -314,17 +314,20 @@ def test_a_request_whose_decoding_rule_fails_ends_alone_and_the_others_stay_exac
 
 
 class BrokenSource:
-    """A caller's draft source: fails at its `when`-th proposal, or proposes `token` every time."""
+    """A caller's draft source: fails at its `when`-th proposal, or proposes `token` every time, or what
+    `proposes()` returns."""
 
     name = "broken"
 
-    def __init__(self, when: int | None = None, token: int | None = None) -> None:
-        self.calls, self.when, self.token = 0, when, token
+    def __init__(self, when: int | None = None, token: int | None = None, proposes=None) -> None:
+        self.calls, self.when, self.token, self.proposes = 0, when, token, proposes
 
     def propose(self, text, limit):
         self.calls += 1
         if self.calls == self.when:
             raise RuntimeError("a bug in the user's draft source")
+        if self.proposes is not None:
+            return self.proposes()
         return [Draft((self.token,), self.name)] if self.token is not None else []
 
     def observe(self, text, new):
@@ -338,7 +341,16 @@ class BrokenSource:
     # True == 1 passed the vocabulary check, and the step then committed token 1 whatever the model predicted.
     (lambda: BrokenSource(token=True), r"draft source 'broken' proposed True \(bool\), not a token id"),
     (lambda: BrokenSource(token=3.0), r"draft source 'broken' proposed 3.0 \(float\), not a token id"),
-], ids=["raises", "token-outside-the-vocabulary", "bool-token", "float-token"])
+    (lambda: BrokenSource(proposes=lambda: None),
+     r"draft source 'broken': propose\(\) must return a list of lookahead Drafts, got None"),
+    (lambda: BrokenSource(proposes=lambda: [(5, 6)]),
+     r"draft source 'broken': propose\(\) must return a list of lookahead Drafts, got \[\(5, 6\)\]"),
+    (lambda: BrokenSource(proposes=lambda: [Draft(5, "broken")]),
+     r"draft source 'broken' proposed tokens=5, not a sequence"),
+    (lambda: BrokenSource(proposes=lambda: [Draft((5,), "broken", None)]),
+     r"draft source 'broken' proposed a draft of context=None: .* an integer >= 0"),
+], ids=["raises", "token-outside-the-vocabulary", "bool-token", "float-token", "none", "tuples", "int-tokens",
+        "context-none"])
 def test_a_request_whose_draft_source_fails_ends_alone_and_the_others_stay_exact(llama_tiny, source, error):
     """Proposing runs before the step's forward, for every request together: a failing source had failed every
     step of the engine (its drafts are checked before they reach the model's embedding)."""

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-# The window's rows (with the last token) stay below this: they take at most half of a step, drafts the rest.
+# The window's rows with the last token are at most this: at most half of a step, drafts the rest.
 WINDOW_ROWS_BELOW = 128
 
 
@@ -18,8 +18,8 @@ class LookaheadConfig:
 
     window:  W, columns of the 2-D Jacobi window (0 turns the lookahead branch off).
     ngram:   N, size of the cached n-grams; the window keeps N-1 levels and a guess is N-1 tokens.
-    guesses: G, the most n-grams verified per step, and kept per key in the pool
-             (0 turns verification off: one token per step, i.e. plain decoding).
+    guesses: G, the pool's n-grams verified per step, and kept per key in the pool (0: the pool proposes
+             none; with no other source, nor `proposers=` of the caller's, one token per step: plain decoding).
     seed_from_prompt: put the prompt's own n-grams into the pool before the first step.
     learn_from_output: put the n-grams of the committed output into the pool as they appear.
     seed: seed for the random prompt tokens that start the window.
@@ -45,7 +45,7 @@ class LookaheadConfig:
     def __post_init__(self) -> None:
         _check_int("window", self.window, 0, "an integer >= 0 (0 disables the lookahead branch)")
         _check_int("ngram", self.ngram, 2, "an integer >= 2")
-        _check_int("guesses", self.guesses, 0, "an integer >= 0 (0 disables verification)")
+        _check_int("guesses", self.guesses, 0, "an integer >= 0 (0: the pool proposes no n-grams)")
         _check_int("suffix", self.suffix, 0, "an integer >= 0 (0 disables the suffix source)")
         _check_int("recycle", self.recycle, 0, "an integer >= 0 (0 disables the recycle source)")
         for name in ("seed_from_prompt", "learn_from_output", "budget"):
@@ -78,7 +78,8 @@ def _check_int(name: str, value: object, minimum: int, allowed: str) -> None:
 
 # What `config=None` means: every source, each step sized to the device's measured cost curve.
 AUTO_CONFIG = LookaheadConfig(window=5, ngram=4, guesses=5, suffix=32, recycle=4, budget=True)
-# Lookahead off: one token per step through the same loop (the baseline our own engine is compared with).
+# Lookahead off: one token per step through the same loop (the baseline our own engine is compared with),
+# unless the caller adds draft sources of its own.
 PLAIN_CONFIG = LookaheadConfig(window=0, guesses=0)
 
 

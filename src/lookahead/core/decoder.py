@@ -6,7 +6,6 @@ Framework-free: the caller runs the model on `StepPlan.tokens` at `last_position
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 import random
 from collections import Counter
@@ -128,8 +127,8 @@ class LookaheadDecoder:
         for index, proposer in enumerate(self.proposers):
             proposed = proposer.propose(self.sequence, limit)
             if index >= self._own_sources:  # a caller's: its tokens reach the model
-                proposed = [_checked_draft(d, getattr(proposer, "name", type(proposer).__name__), self.vocabulary)
-                            for d in proposed]
+                proposed = _checked_drafts(proposed, getattr(proposer, "name", type(proposer).__name__),
+                                           self.vocabulary)
             drafts += proposed
         return Proposal(drafts, rank_nodes(drafts, self.stats, MAX_TREE_NODES if self.cost else None))
 
@@ -265,14 +264,28 @@ def _path_tokens(tokens: list[int], parents: tuple[int, ...], node: int) -> list
     return path[::-1]
 
 
+def _checked_drafts(proposed: object, source: str, vocabulary: int | None) -> list[Draft]:
+    """A caller's drafts with their tokens as ints (a bool, True == 1, or a float would reach the model as
+    another token than the one verified against it), counted under the source's name (under another, their
+    acceptance would be learnt as another source's). Raises for anything else, naming the source."""
+    if not isinstance(proposed, (list, tuple)) or not all(isinstance(d, Draft) for d in proposed):
+        raise TypeError(f"draft source {source!r}: propose() must return a list of lookahead Drafts, got "
+                        f"{proposed!r:.200}")
+    return [_checked_draft(draft, source, vocabulary) for draft in proposed]
+
+
 def _checked_draft(draft: Draft, source: str, vocabulary: int | None) -> Draft:
-    """A caller's draft with its tokens as ints: a bool (True == 1) or a float would reach the model as another
-    token than the one verified against it."""
-    for token in draft.tokens:
+    tokens = draft.tokens.tolist() if hasattr(draft.tokens, "tolist") else draft.tokens  # an array's too
+    if not isinstance(tokens, (list, tuple)):
+        raise TypeError(f"draft source {source!r} proposed tokens={draft.tokens!r:.200}, not a sequence of token ids")
+    if isinstance(draft.context, bool) or not isinstance(draft.context, numbers.Integral) or draft.context < 0:
+        raise ValueError(f"draft source {source!r} proposed a draft of context={draft.context!r}: the number of "
+                         "the text's last tokens it matched must be an integer >= 0")
+    for token in tokens:
         if isinstance(token, bool) or not isinstance(token, numbers.Integral):
             raise ValueError(f"draft source {source!r} proposed {token!r} ({type(token).__name__}), not a token id "
                              "(an int)")
         if vocabulary is not None and not 0 <= token < vocabulary:
             raise ValueError(f"draft source {source!r} proposed token id {token}, outside the model's vocabulary "
                              f"[0, {vocabulary})")
-    return dataclasses.replace(draft, tokens=tuple(int(token) for token in draft.tokens))
+    return Draft(tuple(int(token) for token in tokens), source, int(draft.context))
