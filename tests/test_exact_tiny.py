@@ -684,5 +684,5 @@ def test_greedy_steps_alone_read_the_argmax_output_layer(llama_tiny, monkeypatch
 
 def test_packed_linear_refused_where_unsupported():
     model = make_tiny_model("llama").to(torch.float16)
-    with pytest.raises(ValueError, match="packed_linear=True needs a model on CPU in float32"):
+    with pytest.raises(ValueError, match="packed_linear=True needs a model on CPU, unsharded, with 4-bit layers"):
         generate(model, [5, 6, 7], packed_linear=True)

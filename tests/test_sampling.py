@@ -149,6 +149,20 @@ def test_same_seed_same_output_and_temperature_zero_is_greedy(small_vocab_model)
     assert torch.equal(generate(small_vocab_model, PROMPT, max_new_tokens=20, do_sample=True, temperature=0).sequences, greedy)
 
 
+def test_a_sampling_field_of_the_generation_config_is_not_warned_about_when_sampling(small_vocab_model, monkeypatch):
+    """min_p with do_sample=True: transformers warned that min_p "may be ignored" (our do_sample was not in the
+    config it checked), though it is applied."""
+    import transformers.generation.configuration_utils as configuration
+
+    warned = []
+    monkeypatch.setattr(configuration.logger, "warning_once", warned.append)
+    generate(small_vocab_model, PROMPT, max_new_tokens=2, do_sample=True, min_p=0.1,
+             generator=torch.Generator().manual_seed(0))
+    assert warned == []
+    generate(small_vocab_model, PROMPT, max_new_tokens=2, min_p=0.1)  # greedy: it is ignored, as generate warns
+    assert len(warned) == 1 and "min_p" in warned[0]
+
+
 def test_greedy_with_repetition_penalty_equals_generate(small_vocab_model):
     with torch.inference_mode():
         expected = small_vocab_model.generate(PROMPT, do_sample=False, max_new_tokens=30, repetition_penalty=1.5,

@@ -540,7 +540,7 @@ def sweep_command(
     out: Annotated[Optional[Path], typer.Option("--out", callback=_out_folder, help="Folder for sweep.json and sweep.png.")] = None,
 ) -> None:
     """Grid over (W, N, G): tokens/step against tokens fed per step, with a fitted log line."""
-    from .bench.cost import sweep
+    from .bench.sweep import sweep
     from .bench.report import fit_log_line, write_sweep
     from .bench.runner import environment
     from .prompts import encode_prompt

@@ -67,10 +67,10 @@ class GenerationStats:
     # Inside the model's forward (prefill included); the rest is our overhead. A request's own (a batch's
     # `per_sequence`, `StepOutput.stats`): the forwards it was in, each shared with the others in it.
     forward_seconds: float = 0.0
-    tokens_fed: int = 0  # tokens fed to the model over all steps (the per-step FLOPs budget)
+    tokens_fed: int = 0  # tokens fed to the model over all steps (over `steps`: the rows a step cost)
     accepted_per_step: list[int] | deque[int] = field(default_factory=list, repr=False)
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted guess tokens per draft source
-    window: int = 0  # columns of the lookahead window the step fed (the budget's choice under `budget`)
+    window: int = 0  # columns of the lookahead window (a step under `budget` feeds it only where it pays)
     undrafted_steps: int = 0  # steps the automatic budget ran without drafts, where they did not pay
     compile_seconds: float = 0.0  # compile=True: the first call of each step shape, which compiled it
     # Where the time went: prefill; per step, plan (drafts, budget, layout, packing), inputs (mask, moving
@@ -102,6 +102,15 @@ class GenerationStats:
             "compile_seconds": self.compile_seconds,
             "phase_seconds": dict(self.phase_seconds),
         }
+
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.LongTensor  # [B, n + T]
+    stats: GenerationStats
+    # output_scores / output_logits: T tensors [B, vocab], as transformers' `generate` returns them.
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass(frozen=True)

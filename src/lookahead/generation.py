@@ -8,7 +8,6 @@ import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 from transformers import (GenerationConfig, LogitsProcessor, MaxTimeCriteria, PreTrainedModel, PreTrainedTokenizerBase,
@@ -17,19 +16,11 @@ from transformers import (GenerationConfig, LogitsProcessor, MaxTimeCriteria, Pr
 from .config import LookaheadConfig
 from .core.drafts import Proposer
 from .core.suffix import Corpus
-from .engine import (Engine, GenerationStats, RequestParams, as_token_tensor, check_params, check_request, eos_ids,
-                     StoppingCriterion, pad_id, stop_token_list)
+from .engine import (Engine, GenerateOutput, GenerationStats, RequestParams, as_token_tensor, check_params,
+                     check_request, eos_ids, StoppingCriterion, pad_id, stop_token_list)
 from .hf import check_model
-from .sampling import merged_by_type, unsupported_option, unsupported_search, with_model_defaults
-
-
-@dataclass
-class GenerateOutput:
-    sequences: torch.LongTensor  # [B, n + T]
-    stats: GenerationStats
-    # output_scores / output_logits: T tensors [B, vocab], as transformers' `generate` returns them.
-    scores: tuple[torch.Tensor, ...] | None = None
-    logits: tuple[torch.Tensor, ...] | None = None
+from .sampling import (check_generation_config, merged_by_type, unsupported_option, unsupported_search,
+                       with_model_defaults)
 
 
 def generate(
@@ -115,7 +106,9 @@ def generate(
     (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """
     check_model(model)
-    settings = _generation_config(model, generation_config, generation_options)
+    # do_sample in the config too: its checks take the sampling fields (min_p, ...) of a greedy config for ignored
+    settings = _generation_config(model, generation_config,
+                                  generation_options | ({"do_sample": do_sample} if do_sample else {}))
     criteria = _stopping_criteria(settings, stop_strings, tokenizer, stopping_criteria)
     eos_token_id = stop_token_list(eos_token_id)  # a generator of them read once, here
     _check_callers_objects(streamer, packed_linear)
@@ -220,9 +213,7 @@ def _generation_config(model: PreTrainedModel, given: GenerationConfig | None, o
     unset fields from the model's, then `options` (generation config fields) over it; the model's own where the
     call sets nothing. Raises TypeError for an option that is not a generation config field, ValueError for
     attentions or hidden states asked for (nothing here returns them)."""
-    if given is not None and not isinstance(given, GenerationConfig):
-        raise TypeError(f"generation_config must be a transformers GenerationConfig or None, got "
-                        f"{type(given).__name__}")
+    check_generation_config(given)
     if given is None and not options:
         return model.generation_config
     if "assistant_model" in options:

@@ -404,6 +404,11 @@ def _version(tensor: torch.Tensor) -> int:
         return 0
 
 
+def _cache_argument(model: PreTrainedModel) -> str:
+    """The name under which the model's forward takes its cache (transformers renamed it in some models)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def check_model(model: PreTrainedModel) -> None:
     """Raise UnsupportedModelError, saying why, for a model lookahead cannot drive."""
     if not isinstance(model, PreTrainedModel) or not hasattr(model, "get_output_embeddings"):
@@ -427,8 +432,7 @@ def check_model(model: PreTrainedModel) -> None:
         raise UnsupportedModelError(f"{type(model).__name__} with alibi=True takes its positions from a 2-D attention "
                                     "mask; lookahead steps need position_ids and a 4-D mask")
     parameters = inspect.signature(model.forward).parameters
-    cache_argument = "cache" if "cache" in parameters else "past_key_values"
-    if cache_argument not in parameters or "position_ids" not in parameters:
+    if _cache_argument(model) not in parameters or "position_ids" not in parameters:
         raise UnsupportedModelError(f"{type(model).__name__}.forward must accept attention_mask, position_ids and a cache")
     if not is_causal(model):
         raise UnsupportedModelError(f"{type(model).__name__} attends to later tokens (not a causal LM as loaded; a "
@@ -554,9 +558,8 @@ class HFModelRunner:
         self.compile_mode = compile_mode(compile)
         config = model.config.get_text_config(decoder=True)
         self.layer_types: list[str] | None = getattr(config, "layer_types", None)
-        parameters = inspect.signature(model.forward).parameters
-        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
-        self.keeps_some_logits = "logits_to_keep" in parameters
+        self.cache_argument = _cache_argument(model)
+        self.keeps_some_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # Sliding-window layers get a mask limited to the window; the cache itself keeps everything.
         window = getattr(config, "sliding_window", None)
         uses_sliding = self.layer_types is None or "sliding_attention" in self.layer_types
@@ -569,9 +572,9 @@ class HFModelRunner:
         # faster here, `costs.cost_curve` decides and calls `use_packed`.
         self.packers = PackedLinears.packers(model) if packed_linear is not False else ()
         if packed_linear and not self.packers:
-            raise ValueError("packed_linear=True needs a model on CPU in float32 (MKL or oneDNN) or bfloat16 "
-                             "(oneDNN) with those libraries available, and free memory for a "
-                             "packed copy of its linear weights")
+            raise ValueError("packed_linear=True needs a model on CPU, unsharded, with 4-bit layers on our kernel or "
+                             "in float32 (MKL, oneDNN or our AVX-512 kernel) or bfloat16 (oneDNN) with one of those "
+                             "available, and free memory for a packed copy of its linear weights")
         self.packing: bool | None = packed_linear if packed_linear is not None else (None if self.packers else False)
         # Where our kernels run, compiled steps call them from the graph (`torch.ops.lookahead`, `kernels`): the
         # float32 one on one packed copy of the weights, the 4-bit one on the layers' own (stacked where they share

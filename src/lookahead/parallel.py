@@ -34,8 +34,7 @@ from .config import LookaheadConfig
 from .core.decoder import LookaheadDecoder
 from .core.drafter import node_counts
 from .core.split import split_step
-from .engine import STEP_ROOM, GenerationStats, check_request, eos_ids, kept_tokens
-from .generation import GenerateOutput
+from .engine import STEP_ROOM, GenerateOutput, GenerationStats, check_request, eos_ids, kept_tokens
 from .hf import HFModelRunner, context_length
 from .runtime.batch import StepInput, after_tokens, causal_step, pack_steps
 from .sampling import DecodingOptions, decoding_rule

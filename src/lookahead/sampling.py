@@ -184,9 +184,7 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
     if options.prefix_allowed_tokens_fn is not None and not callable(options.prefix_allowed_tokens_fn):
         raise ValueError("prefix_allowed_tokens_fn must be a callable (batch_id, input_ids) -> allowed token ids, "
                          f"got {type(options.prefix_allowed_tokens_fn).__name__}")
-    if options.generation_config is not None and not isinstance(options.generation_config, GenerationConfig):
-        raise TypeError(f"generation_config must be a transformers GenerationConfig or None, got "
-                        f"{type(options.generation_config).__name__}")
+    check_generation_config(options.generation_config)
     config = options.config(model)
     _check_number("encoder_repetition_penalty", config.encoder_repetition_penalty, lambda v: v > 0, "a number > 0")
     found = unsupported_option(lambda name: getattr(config, name, None))
@@ -197,6 +195,11 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
                              f"decode with; set model.generation_config.{name} = {UNSUPPORTED_CONFIG[name]!r} to "
                              "decode without it")
         raise unsupported_search(name, value, " (generation config)")
+
+
+def check_generation_config(given: object) -> None:
+    if given is not None and not isinstance(given, GenerationConfig):
+        raise TypeError(f"generation_config must be a transformers GenerationConfig or None, got {type(given).__name__}")
 
 
 def with_model_defaults(model: PreTrainedModel, given: GenerationConfig) -> GenerationConfig:

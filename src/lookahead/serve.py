@@ -636,7 +636,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         Corpus(max_megabytes=corpus_megabytes)  # a cap that no corpus could take fails here, not at a request
     engine = Engine(model, max_batch=max_batch, max_length=max_length, compile=compile)
     engine.warm_up()  # compiled steps: their shapes compile now, not during the first requests
-    runner = EngineLoop(engine, max_queue)
+    engine_loop = EngineLoop(engine, max_queue)
     # As many requests in scoring as the engine holds: the prompts of one request never turn each other away.
     score_prompt = _PromptScorer(model, max_batch + max_queue - 1, functools.partial(_server_full, max_batch, max_queue))
     corpora: dict[str | None, Corpus] = {}
@@ -646,17 +646,17 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
-        runner.stop()
+        engine_loop.stop()
         tokenizing.shutdown(wait=False)
 
     app = FastAPI(title="lookahead", lifespan=lifespan)
     if allow_origins:  # browsers send a preflight first: it must pass without an API key
         app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"])
-    metrics = Metrics(runner)
+    metrics = Metrics(engine_loop)
     if allowed_hosts:  # added last: it sees every request first
         app.add_middleware(_HostCheck, hosts=allowed_hosts, refused=metrics.errors.labels("400").inc)
-    app.state.engine_loop = runner
+    app.state.engine_loop = engine_loop
     app.state.prompt_scorer = score_prompt
     app.state.corpora = corpora
 
@@ -753,13 +753,13 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         echoed = text if body.echoes() else ""
         top = body.logprobs_asked()
         logprobs = _Logprobs(tokenizer, top) if top is not None else None
-        rid, stream = await runner.add(prompt, params) if params.max_new_tokens else (None, None)
+        rid, stream = await engine_loop.add(prompt, params) if params.max_new_tokens else (None, None)
         if echoed and logprobs is not None:  # the reply's tokens meanwhile wait in `stream`
             try:
                 logprobs.add_prompt(prompt.tolist(), await score_prompt(prompt))
             except BaseException:
                 if rid is not None:
-                    runner.abort(rid)
+                    engine_loop.abort(rid)
                 raise
         if alone:
             metrics.requests.labels("chat" if chat else "completions").inc()
@@ -809,9 +809,9 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                         return
             finally:  # a finished request is gone already; a stop string ends it, a client gone drops it
                 if reply.stopped:
-                    runner.finish(rid, reply.tokens)
+                    engine_loop.finish(rid, reply.tokens)
                 else:
-                    runner.abort(rid)
+                    engine_loop.abort(rid)
 
         sent = 0  # tokens whose log-probabilities a chunk carried
 
@@ -946,7 +946,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
 
     @app.get("/health")
     async def health():
-        if not runner.alive():
+        if not engine_loop.alive():
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok", "running": engine.running(), "waiting": engine.waiting()}
 

@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 
 from ..costs import CostPoint  # noqa: E402
 from .batch import METHODS, BatchRun, batch_table  # noqa: E402
-from .cost import SweepPoint  # noqa: E402
+from .sweep import SweepPoint  # noqa: E402
 from .parallel import ParallelRun, parallel_table, prediction_table  # noqa: E402
 from .serve import LoadRun, load_table  # noqa: E402
 from .runner import Run, Summary  # noqa: E402

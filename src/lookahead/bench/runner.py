@@ -28,7 +28,7 @@ PLD_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 class Method:
     name: str  # shown in the report: "greedy" (or "sample"), "pld", "plain", "lookahead-{config label}"
     kind: str  # "generate" (transformers), "pld" (transformers' prompt lookup), "plain" or "lookahead" (ours)
-    config: LookaheadConfig | None = None
+    config: LookaheadConfig | None = None  # "lookahead": its step's (None: the automatic config, as in generate)
     compile: bool | str = False  # ours, through `generate(compile=...)`
 
 
@@ -107,7 +107,7 @@ def run_method(
     options = dict(sampling or {})
     seed = options.pop("seed", 0)
     if method.kind in ("plain", "lookahead"):
-        config = method.config or PLAIN_CONFIG
+        config = PLAIN_CONFIG if method.kind == "plain" else method.config
         if sampling is not None:
             options.update(do_sample=True, generator=torch.Generator().manual_seed(seed))
         else:  # greedy, whatever the model's generation config asks for (as the greedy baselines are)

@@ -3,7 +3,6 @@ O(1) per appended token, and its continuation as a draft of any length."""
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections import deque
 from collections.abc import Iterable, Sequence

@@ -1,9 +1,9 @@
 """Verification of a step's guess tree: which guessed tokens to commit, and the model's next token.
 
 Greedy: the longest guess prefix that the model's own argmax reproduces. Sampling: a walk down the tree
-that keeps the model's distribution exactly (see docs/sampling.md): at each node, the children's tokens
-are tried in turn; candidate x is accepted with probability p(x), else p loses x and is renormalised;
-when no child is accepted, the next token is drawn from what is left of p.
+that keeps the model's distribution exactly (see docs/sampling.md): at each node, the token is drawn by
+Gumbel-max from the model's distribution there, with noise of the seed and the position alone, and the walk
+goes on into the child that holds it; where no child does, that token is the step's next token.
 """
 
 from __future__ import annotations
