@@ -370,13 +370,14 @@ def test_a_request_whose_draft_source_fails_ends_alone_and_the_others_stay_exact
     assert not engine.has_unfinished() and engine.running() == 0
 
 
-def test_numpy_token_ids_from_a_draft_source_are_taken_as_ints(llama_tiny):
+def test_numpy_token_ids_from_a_draft_source_and_a_numpy_length_are_taken_as_ints(llama_tiny):
     import numpy as np
 
     prompt = prompts_of([9], seed=13)[0]
     expected = reference_greedy(llama_tiny, prompt.view(1, -1), 16, eos_token_id=[])[0, prompt.numel():].tolist()
     engine = Engine(llama_tiny, max_batch=1)
-    rid = engine.add_request(prompt, RequestParams(max_new_tokens=16, eos_token_id=[], config=LookaheadConfig(),
+    rid = engine.add_request(prompt, RequestParams(max_new_tokens=np.int64(16), eos_token_id=[],
+                                                   config=LookaheadConfig(),
                                                    proposers=[BrokenSource(token=np.int64(expected[1]))]))
     outputs: dict[int, list[int]] = {}
     errors: dict[int, Exception] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import operator
 import time
 import weakref
 from collections import deque
@@ -125,7 +126,8 @@ class RequestParams:
     request ends at the first token for which one says True, that token kept. output_scores, output_logits: each
     step's output carries its tokens' scores (the logits as processed for picking them, as `generate`'s
     `output_scores`) or logits (float32, as its `output_logits`). generation_config: what the
-    model's generation config would give (stop tokens, processors, unset sampling options), as `generate`'s.
+    model's generation config would give (stop tokens, processors, unset sampling options), as `generate`'s;
+    its lengths (max_new_tokens, max_length) are not read: the request's length is `max_new_tokens`.
     prefix_allowed_tokens_fn: transformers' constraint (batch_id, input_ids) -> the token ids allowed next,
     called with batch_id 0 and this request's ids. Processors and criteria see one request's row at a time."""
 
@@ -255,6 +257,7 @@ class Engine:
             # its unset fields from the model's, as generate completes a config it is passed
             params = dataclasses.replace(params, generation_config=with_model_defaults(self.model,
                                                                                        params.generation_config))
+        params = dataclasses.replace(params, max_new_tokens=as_int(params.max_new_tokens))
         prompt = check_request(self.model, prompt_ids, params.max_new_tokens)
         if prompt.numel() + params.max_new_tokens > self.max_length:
             raise ValueError(
@@ -603,6 +606,17 @@ def _check_memory(runner: HFModelRunner, slots: int, capacity: int) -> None:
             f"{STEP_ROOM} for a step's rows) needs "
             f"{needed / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on {runner.device}; "
             "lower max_batch or max_length")
+
+
+def as_int(value: object) -> object:
+    """An integer given as numpy's or as a 0-d tensor, as a Python int (as stop token ids are taken); any other
+    value as it is, for the checks to refuse by name."""
+    if isinstance(value, int):  # bool too: refused by name later
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def _checked_padding(padding: torch.Tensor | Sequence[int]) -> torch.Tensor:

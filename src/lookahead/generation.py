@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -16,7 +15,7 @@ from transformers import (GenerationConfig, LogitsProcessor, MaxTimeCriteria, Pr
 from .config import LookaheadConfig
 from .core.drafts import Proposer
 from .core.suffix import Corpus
-from .engine import (Engine, GenerateOutput, GenerationStats, RequestParams, as_token_tensor, check_params,
+from .engine import (Engine, GenerateOutput, GenerationStats, RequestParams, as_int, as_token_tensor, check_params,
                      check_request, eos_ids, StoppingCriterion, pad_id, stop_token_list)
 from .hf import check_model
 from .sampling import (check_generation_config, merged_by_type, unsupported_option, unsupported_search,
@@ -127,7 +126,7 @@ def generate(
                            output_scores, output_logits, None if settings is model.generation_config else settings,
                            prefix_allowed_tokens_fn)
     check_params(model, params)
-    pad = pad_id(model, eos_token_id, settings) if pad_token_id is None else _integer(pad_token_id)
+    pad = pad_id(model, eos_token_id, settings) if pad_token_id is None else as_int(pad_token_id)
     if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
         given = "pad_token_id" if pad_token_id is not None else "the model's pad token (generation config)"
         raise ValueError(f"{given} must be a token id (an integer >= 0) or None, got {pad!r}")
@@ -311,7 +310,7 @@ def _new_tokens(config: GenerationConfig, max_new_tokens: int | None, width: int
     max_new_tokens, else its max_length less the input's `width` (positions, padding included); else
     DEFAULT_NEW_TOKENS."""
     if max_new_tokens is not None:
-        return _integer(max_new_tokens)
+        return as_int(max_new_tokens)
     if getattr(config, "max_new_tokens", None) is not None:
         return config.max_new_tokens
     length = getattr(config, "max_length", None)
@@ -321,17 +320,6 @@ def _new_tokens(config: GenerationConfig, max_new_tokens: int | None, width: int
         raise ValueError(f"max_new_tokens is unset and the generation config sets max_length={length!r}, "
                          f"which leaves no room after the input's {width} positions: pass max_new_tokens")
     return length - width
-
-
-def _integer(value: object) -> object:
-    """An integer given as numpy's or as a 0-d tensor, as a Python int (as stop token ids are taken); any other
-    value as it is, for the checks to refuse by name."""
-    if isinstance(value, int):  # bool too: refused by name later
-        return value
-    try:
-        return operator.index(value)
-    except TypeError:
-        return value
 
 
 def _check_callers_objects(streamer, packed_linear) -> None:
