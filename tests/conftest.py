@@ -32,7 +32,7 @@ from transformers import (
 from lookahead import cli, engine, kernels, models, quant
 from lookahead.baseline import hf_generate
 from lookahead.core.prices import StepPrices
-from lookahead.config import cache_root
+from lookahead.machine import cache_root
 from lookahead.models import load_model
 from lookahead.runtime.batch import StepInput
 

@@ -153,6 +153,31 @@ def test_aborting_a_running_request_frees_its_slot_for_a_waiting_one(llama_tiny)
     assert tokens == reference_greedy(llama_tiny, prompts_of([6])[0].view(1, -1), 8, eos_token_id=[])[0, 6:].tolist()
 
 
+def test_a_request_samples_where_the_generation_config_asks_unless_it_says_otherwise(small_vocab_model):
+    """do_sample unset is the generation config's (the request's, else the model's), as in `generate`: it was
+    False, so an engine request decoded greedily where `generate` sampled."""
+    import copy
+
+    from transformers import GenerationConfig
+
+    model = copy.copy(small_vocab_model)
+    model.generation_config = GenerationConfig(do_sample=True, eos_token_id=[])
+
+    def tokens(params: RequestParams) -> list[int]:
+        engine = Engine(model, max_batch=1, max_length=80)
+        engine.add_request(PROMPT[0], params)
+        return [t for _ in iter(engine.has_unfinished, False) for o in engine.step() for t in o.tokens]
+
+    sampled = generate(model, PROMPT[0], max_new_tokens=30, generator=torch.Generator().manual_seed(11))
+    greedy = generate(model, PROMPT[0], max_new_tokens=30, do_sample=False)
+    assert sampled.sequences.tolist() != greedy.sequences.tolist()
+    new = slice(PROMPT[0].numel(), None)
+    assert tokens(RequestParams(max_new_tokens=30, seed=11)) == sampled.sequences[0, new].tolist()
+    assert tokens(RequestParams(max_new_tokens=30, seed=11, do_sample=False)) == greedy.sequences[0, new].tolist()
+    own_config = RequestParams(max_new_tokens=30, seed=11, generation_config=GenerationConfig(top_k=4))
+    assert tokens(own_config) != greedy.sequences[0, new].tolist()  # unset in its own config: the model's
+
+
 def test_a_seeded_request_samples_the_same_whatever_else_is_in_the_batch(small_vocab_model):
     """The automatic config sizes each step's tree by the batch, so the guesses differ with the company a
     request keeps; its sampled tokens must not: they equal those of plain decoding with the same seed."""

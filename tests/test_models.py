@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from typer.testing import CliRunner
 
 from lookahead import ModelLoadError, load_model
-from lookahead import config, models
+from lookahead import machine, models
 from lookahead.cli import app
 
 TINY = "tiny.gguf"
@@ -163,10 +163,10 @@ def test_the_cache_root_is_absolute_and_an_empty_setting_means_the_default(monke
     """LOOKAHEAD_CACHE="" (an unset variable passed on) means ~/.cache/lookahead, not the working folder; a
     relative setting names a folder below the working folder, as an absolute path."""
     monkeypatch.setenv("LOOKAHEAD_CACHE", "")
-    assert config.cache_root() == (Path.home() / ".cache" / "lookahead").resolve()
+    assert machine.cache_root() == (Path.home() / ".cache" / "lookahead").resolve()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("LOOKAHEAD_CACHE", "relative")
-    assert config.cache_root() == tmp_path.resolve() / "relative"
+    assert machine.cache_root() == tmp_path.resolve() / "relative"
 
 
 def test_touching_or_reinstalling_the_file_reuses_the_copy(cache, gguf_path, tmp_path, dequantisations):

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from . import kernels
 from .attention import loaded_attention
 from .hf import HFModelRunner, UnsupportedModelError, context_length, is_sharded
-from .config import cache_root, cpu_fields, notice
+from .machine import cache_root, cpu_fields, notice
 from .runtime.batch import causal_step, pack_steps
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)

@@ -116,8 +116,8 @@ class GenerateOutput:
 
 @dataclass(frozen=True)
 class RequestParams:
-    """How one request decodes. Greedy by default; sampling options as in `generate` (unset ones come from
-    the model's generation config). seed: this request's own sampling generator, so that its output does
+    """How one request decodes. Sampling options as in `generate`: unset ones (`do_sample` too) come from the
+    generation config (the request's, else the model's), so greedy unless one asks for sampling. seed: this request's own sampling generator, so that its output does
     not depend on what else is in the batch (or pass `generator`). config None: `AUTO_CONFIG`.
     corpus: text shared with other requests for the suffix and recycle sources; the request's prompt and
     output are added to it when it finishes. proposers: more draft sources, owned by this request.
@@ -134,7 +134,7 @@ class RequestParams:
     max_new_tokens: int = 128
     config: LookaheadConfig | None = None
     eos_token_id: int | Iterable[int] | None = None
-    do_sample: bool = False
+    do_sample: bool | None = None
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -251,12 +251,8 @@ class Engine:
         processors and stopping criteria see in front of it, as `generate` hands them its left-padded rows (a
         no-repeat n-gram counts them, `min_length` and the processors' prompt length include them, the repetition
         penalty skips them as `generate`'s does); the model never sees them."""
-        params = RequestParams() if params is None else params
+        params = _with_config_defaults(self.model, RequestParams() if params is None else params)
         config = check_params(self.model, params)
-        if params.generation_config is not None and params.generation_config is not self.model.generation_config:
-            # its unset fields from the model's, as generate completes a config it is passed
-            params = dataclasses.replace(params, generation_config=with_model_defaults(self.model,
-                                                                                       params.generation_config))
         params = dataclasses.replace(params, max_new_tokens=as_int(params.max_new_tokens))
         prompt = check_request(self.model, prompt_ids, params.max_new_tokens)
         if prompt.numel() + params.max_new_tokens > self.max_length:
@@ -606,6 +602,20 @@ def _check_memory(runner: HFModelRunner, slots: int, capacity: int) -> None:
             f"{STEP_ROOM} for a step's rows) needs "
             f"{needed / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on {runner.device}; "
             "lower max_batch or max_length")
+
+
+def _with_config_defaults(model: PreTrainedModel, params: RequestParams) -> RequestParams:
+    """As `generate` completes its options: a generation config given takes its unset fields from the model's,
+    and do_sample None is the generation config's. Anything but a RequestParams with a GenerationConfig or
+    None, as it is, for `check_params` to refuse by name."""
+    if not isinstance(params, RequestParams) or not isinstance(params.generation_config, (GenerationConfig, type(None))):
+        return params
+    if params.generation_config is not None and params.generation_config is not model.generation_config:
+        params = dataclasses.replace(params, generation_config=with_model_defaults(model, params.generation_config))
+    if params.do_sample is None:
+        settings = params.generation_config or model.generation_config
+        params = dataclasses.replace(params, do_sample=bool(getattr(settings, "do_sample", False)))
+    return params
 
 
 def as_int(value: object) -> object:

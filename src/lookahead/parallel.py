@@ -86,8 +86,9 @@ def parallel_generate(
 
     start = time.perf_counter()
     runner = HFModelRunner(model, packed_linear=False)
-    # A step feeds at most STEP_ROOM rows (as on the engine), after at most `levels` tokens to catch up.
-    store = runner.new_store(1, prompt.numel() + max_new_tokens + STEP_ROOM + config.levels)
+    # A step feeds at most STEP_ROOM rows (as on the engine) after the tokens it catches up, which are committed
+    # tokens already: positions within the prompt and the new tokens.
+    store = runner.new_store(1, prompt.numel() + max_new_tokens + STEP_ROOM)
     for begin in range(0, prompt.numel() - 1, PREFILL_CHUNK):  # every prompt token but the last
         chunk = prompt[begin: min(begin + PREFILL_CHUNK, prompt.numel() - 1)]
         runner.forward(store, pack_steps([0], [begin], [causal_step(chunk)]))

@@ -15,7 +15,8 @@ import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..baseline import hf_generate
-from ..config import PLAIN_CONFIG, LookaheadConfig, cpu_fields
+from ..config import PLAIN_CONFIG, LookaheadConfig
+from ..machine import cpu_fields
 from ..generation import generate
 from ..prompts import encode_messages, encode_prompt, has_chat_template
 from ..quant import rounding_dtype, weights_of

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from ..config import cache_root, cpu_fields, notice
+from ..machine import cache_root, cpu_fields, notice
 
 KERNEL_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 OPERATORS_SOURCE = Path(__file__).parent / "ops.cpp"
