@@ -786,3 +786,5 @@ def test_the_accelerator_branches_agree_with_the_host():
         assert torch.equal(on_device, top_tokens(logits, count))
     noise = gumbel_noise(3, 7, 50, "cuda")
     assert noise.device.type == "cuda" and torch.equal(noise, gumbel_noise(3, 7, 50, "cuda"))
+    assert not torch.equal(noise, gumbel_noise(3, 8, 50, "cuda"))  # another position
+    assert not torch.equal(noise, gumbel_noise(4, 7, 50, "cuda"))  # another seed

@@ -218,6 +218,21 @@ def test_a_prompt_of_dash_is_read_from_standard_input_and_a_blank_one_refused(ti
         assert refused.exit_code == 2 and "the prompt is empty (or blank)" in refused.stderr
 
 
+@pytest.mark.parametrize("raw", [False, True])
+def test_a_piped_chat_prompt_loses_the_line_end_that_echo_adds_and_a_raw_one_keeps_it(tiny_dir, monkeypatch, raw):
+    import typer.testing
+
+    from lookahead import cli, prompts
+
+    encoded = []
+    encode = prompts.encode_prompt
+    monkeypatch.setattr(prompts, "encode_prompt", lambda tokenizer, text, raw: encoded.append(text) or encode(
+        tokenizer, text, raw=raw))
+    result = typer.testing.CliRunner().invoke(cli.app, ["generate", "-", "--model", tiny_dir, "--max-new-tokens", "2"]
+                                              + ["--raw"] * raw, input="Name three rivers.\n")
+    assert result.exit_code == 0 and encoded == ["Name three rivers." + "\n" * raw]
+
+
 def test_serve_refuses_an_address_it_cannot_listen_on_before_loading_the_model(monkeypatch):
     import socket
 

@@ -12,6 +12,7 @@ from test_exact_tiny import ForwardRecorder, random_prompt
 from test_sampling import PROMPT, reference_samples, same_distribution_pvalue, small_vocab_model  # noqa: F401
 
 from lookahead import LookaheadConfig, generate
+from lookahead.config import PLAIN_CONFIG
 from lookahead.core.drafter import AcceptanceStats
 from lookahead.core.drafts import Draft
 from lookahead.engine import Engine, RequestParams, acceptance_stats
@@ -529,10 +530,12 @@ def test_a_failed_generate_ends_its_stream(llama_tiny):
 
     streamer = TextIteratorStreamer(Tokens(), timeout=5)
     prompt = prompts_of([7], seed=3)[0]
-    with pytest.raises(RuntimeError, match="a bug in the user's processor"):
-        generate(llama_tiny, prompt, max_new_tokens=8, logits_processor=[FailsOnce(3)], streamer=streamer)
+    expected = reference_greedy(llama_tiny, prompt.view(1, -1), 2, eos_token_id=[])[0].tolist()
+    with pytest.raises(RuntimeError, match="a bug in the user's processor"):  # its 3rd call: the 3rd token's
+        generate(llama_tiny, prompt, max_new_tokens=8, logits_processor=[FailsOnce(3)], streamer=streamer,
+                 config=PLAIN_CONFIG, eos_token_id=[])
     text = "".join(streamer)  # an unended stream raises queue.Empty after its timeout instead
-    assert text.startswith(" ".join(map(str, prompt.tolist())))  # what came before the failure, flushed
+    assert text == " ".join(map(str, expected))  # the prompt and the 2 tokens before the failure, flushed
 
 
 def test_a_context_too_short_to_time_steps_in_is_refused_by_name():

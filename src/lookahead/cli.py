@@ -112,7 +112,7 @@ def _config_refusal(error: ValueError, options: dict[str, str]) -> typer.BadPara
 @app.command("generate")
 def generate_command(
     ctx: typer.Context,
-    prompt: Annotated[str, typer.Argument(help="The prompt text; - reads it from standard input.")],
+    prompt: Annotated[str, typer.Argument(help="The prompt text; - reads it from standard input (less its last line end, unless --raw).")],
     model: ModelOption = None,
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
@@ -149,6 +149,8 @@ def generate_command(
             raise typer.BadParameter("a prompt from standard input ('-') reaches one of torchrun's processes only: "
                                      "pass the prompt as an argument", param_hint="PROMPT")
         prompt = sys.stdin.read()
+        if not raw:  # the line end that `echo` or a file adds is no part of a chat message (raw: the text as it is)
+            prompt = prompt.removesuffix("\n").removesuffix("\r")
     if not prompt.strip():
         raise typer.BadParameter("the prompt is empty" + (" (or blank)" if prompt else ""), param_hint="PROMPT")
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty)
@@ -641,7 +643,7 @@ def corpus_command(
 def bench_serve_command(
     ctx: typer.Context,
     clients: Annotated[int, typer.Option(min=1, help="Concurrent streaming clients.")] = 16,
-    requests: Annotated[Optional[int], typer.Option(min=1, help="Requests per mode (default: 2 per client).")] = None,
+    requests: Annotated[Optional[int], typer.Option(min=1, help="Requests per mode in each round (default: 2 per client); the report counts every round's.")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
     dataset: Annotated[str, typer.Option(help=f"Prompts: one of {', '.join(BUILTIN)} or a JSONL file (first turns).")] = "mt_bench",
     time_limit: Annotated[float, typer.Option(min=1, help="Seconds per mode after which no new request starts.")] = 600,
