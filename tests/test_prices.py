@@ -151,7 +151,9 @@ def test_the_engine_stops_proposing_where_its_timed_steps_show_that_drafts_do_no
     monkeypatch.setattr(HFModelRunner, "step_logits", timed)
     prompt = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
     expected = reference_greedy(llama_tiny, prompt, 160, eos_token_id=[])  # no stop: enough drafted steps to judge
-    config = dataclasses.replace(AUTO_CONFIG, window=0)  # the oracle's drafts alone decide the height
+    # The oracle's drafts alone decide the height (the suffix source's, on this repetitive output, made steps of
+    # up to 128 rows, each slept through: 29 s).
+    config = dataclasses.replace(AUTO_CONFIG, window=0, guesses=0, suffix=0, recycle=0)
     out = generate(llama_tiny, prompt, max_new_tokens=160, config=config, proposers=[Oracle(expected[0].tolist())],
                    eos_token_id=[])
     assert out.sequences.tolist() == expected.tolist()

@@ -193,11 +193,13 @@ def first_two_tokens_distribution(model, prompt: torch.Tensor, warpers: LogitsPr
     """The exact distribution of `model.generate(do_sample=True)`'s first two tokens under `warpers`:
     the model's logits, warped by transformers' own processors, at the prompt and after each first token."""
     with torch.inference_mode():
-        first = warpers(prompt, model(prompt).logits[:, -1]).softmax(-1)[0]
+        first = warpers(prompt, model(prompt, logits_to_keep=1).logits[:, -1]).softmax(-1)[0]
         tokens = first.nonzero()[:, 0]
         extended = torch.cat([prompt.repeat(len(tokens), 1), tokens[:, None]], dim=1)
-        second = warpers(extended, model(extended).logits[:, -1]).softmax(-1)
-    return {(int(a), int(b)): float(first[a] * p) for a, row in zip(tokens, second) for b, p in enumerate(row) if p > 0}
+        second = warpers(extended, model(extended, logits_to_keep=1).logits[:, -1]).softmax(-1)
+    joint = first[tokens, None] * second  # [first tokens, vocabulary]; read as lists (a tensor per outcome: 6 s)
+    firsts = tokens.tolist()
+    return {(firsts[i], b): p for (i, b), p in zip(joint.nonzero().tolist(), joint[joint > 0].tolist())}
 
 
 def fit_pvalue(samples: list[tuple], expected: dict[tuple, float]) -> float:

@@ -846,6 +846,8 @@ def serve_command(
     cpp_wrapper: CppWrapperOption = False,
 ) -> None:
     """An OpenAI-compatible server (chat and text completions, streaming) on the lookahead engine."""
+    import signal
+
     import uvicorn
 
     from .models import DEFAULT_MODEL_NAME
@@ -863,6 +865,12 @@ def serve_command(
         _fail(str(error))
 
     class Server(uvicorn.Server):
+        interrupted = False
+
+        def handle_exit(self, sig: int, frame) -> None:
+            self.interrupted |= sig == signal.SIGINT
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets=None) -> None:
             # Ctrl-C or SIGTERM: replies in progress end now, with an error event (uvicorn alone waited for
             # each to reach its max_tokens); connections still open after SHUTDOWN_GRACE seconds are cut.
@@ -874,6 +882,8 @@ def serve_command(
                                    timeout_graceful_shutdown=SHUTDOWN_GRACE))
     threading.Thread(target=_say_where, args=(server, name), daemon=True).start()
     server.run()
+    if server.interrupted:  # uvicorn raises Ctrl-C's SIGINT again once stopped, but asyncio's runner, whose handler
+        raise typer.Exit(130)  # that is, may end with the server's coroutine and return as if nothing had happened
 
 
 SHUTDOWN_GRACE = 5  # seconds

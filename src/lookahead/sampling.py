@@ -168,6 +168,7 @@ def type_names(value: object) -> str:
 def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> None:
     """Raise ValueError (TypeError for an object of the wrong kind), naming the option and what is allowed, for
     decoding options `decoding_rule` cannot follow; no side effects (nothing is drawn from the generator)."""
+    check_generation_config(options.generation_config)  # first: a request's do_sample unset is read from it
     if not isinstance(options.do_sample, bool):
         raise ValueError(f"do_sample must be a bool, got {options.do_sample!r}")
     _check_number("temperature", options.temperature, lambda v: v >= 0, "a number >= 0 (0 means greedy)")
@@ -184,7 +185,6 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
     if options.prefix_allowed_tokens_fn is not None and not callable(options.prefix_allowed_tokens_fn):
         raise ValueError("prefix_allowed_tokens_fn must be a callable (batch_id, input_ids) -> allowed token ids, "
                          f"got {type(options.prefix_allowed_tokens_fn).__name__}")
-    check_generation_config(options.generation_config)
     config = options.config(model)
     _check_number("encoder_repetition_penalty", config.encoder_repetition_penalty, lambda v: v > 0, "a number > 0")
     found = unsupported_option(lambda name: getattr(config, name, None))
