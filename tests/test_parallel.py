@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -151,16 +152,20 @@ def _fail_on_rank_one(how: str) -> None:
     if dist.get_rank() == 1:
         if how == "raise":
             raise ValueError("rank one gives up")
+        if how == "hang":
+            time.sleep(600)
         os._exit(3)
     parallel_generate(make_tiny_model("llama"), PROMPT, 400, LookaheadConfig(), eos_token_id=[])
 
 
 @pytest.mark.parametrize("how, words", [("raise", "worker 1 of 2 failed: ValueError: rank one gives up"),
-                                        ("exit", "worker 1 of 2 exited with code 3")])
+                                        ("exit", "worker 1 of 2 exited with code 3"),
+                                        ("hang", "worker 1 of 2 stopped answering (the others timed out waiting")])
 def test_a_worker_that_dies_ends_the_run_with_a_clear_error(how, words):
-    """The error names the worker that failed first and why, not the collateral failures of the others."""
+    """The error names the worker that failed first and why, not the collateral failures of the others (a hung
+    one had been named by the time-out of another)."""
     with pytest.raises(WorkerError, match=words.replace("(", r"\(")):
-        run_workers(2, _fail_on_rank_one, how, threads=1)
+        run_workers(2, _fail_on_rank_one, how, threads=1, timeout=timedelta(seconds=5))
 
 
 def _sleep_marked(folder: str) -> None:

@@ -212,7 +212,7 @@ def _stop(processes, grace: float = 5.0) -> None:
 
 def _first_failure(processes, received: list[tuple[str, object]], workers: int) -> str:
     """What went wrong first: the earliest exception a worker reported, unless it only says that another
-    worker went away; else a worker that exited without a word (killed, os._exit)."""
+    worker went away; else a worker that exited without a word (killed, os._exit), or that hung."""
     failures = sorted(payload for kind, payload in received if kind == "error")  # (when, rank, last line)
     collateral = ("Connection closed by peer", "Connection reset by peer", "Timed out")
     for _, rank, line in failures:
@@ -223,6 +223,12 @@ def _first_failure(processes, received: list[tuple[str, object]], workers: int) 
         process.join(timeout=5)
         if rank not in reported and process.exitcode not in (0, None, -signal.SIGTERM):
             return f"worker {rank} of {workers} exited with code {process.exitcode}"
+    # Those that reported nothing and were stopped (torch stops the rest once one fails), where every report is a
+    # time-out: they hung, and the others timed out waiting for them.
+    silent = [rank for rank, process in enumerate(processes)
+              if rank not in reported and process.exitcode in (None, -signal.SIGTERM)]
+    if failures and silent and all("Timed out" in line for _, _, line in failures):
+        return f"worker {silent[0]} of {workers} stopped answering (the others timed out waiting for it; it was stopped)"
     if failures:
         _, rank, line = failures[0]
         return f"worker {rank} of {workers} failed: {line}"
