@@ -3,6 +3,7 @@ would be alone (transformers' greedy `generate` of its own prompt)."""
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import pytest
@@ -286,6 +287,53 @@ def _run(engine: Engine, requests: dict[int, torch.Tensor], outputs: dict[int, l
             outputs.setdefault(output.request_id, []).extend(output.tokens)
             if output.error is not None:
                 errors[output.request_id] = output.error
+
+
+def test_another_threads_abort_and_add_wait_for_the_step_in_progress(llama_tiny, monkeypatch):
+    """An abort from another thread in the middle of a step had freed a slot under it (and moved the last slot
+    down): a waiting request then joined the half-moved slot and was lost, others got wrong tokens. It now waits
+    for the step to end, and every request left is its own greedy output."""
+    import threading
+
+    from lookahead.hf import HFModelRunner
+
+    engine = Engine(llama_tiny, max_batch=2, max_length=64)
+    prompts = prompts_of([5, 7, 6], seed=21)
+    first, second = (engine.add_request(p, RequestParams(max_new_tokens=10, eos_token_id=[])) for p in prompts[:2])
+    outputs: dict[int, list[int]] = {}
+
+    def step() -> None:
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.tokens)
+
+    step()
+    forward, inside, events = HFModelRunner.step_logits, threading.Event(), []
+
+    def slow(self, store, batch, argmax_only=False):
+        inside.set()
+        time.sleep(0.3)  # long enough for the other thread to call in
+        events.append("forward ended")
+        return forward(self, store, batch, argmax_only)
+
+    def meanwhile():
+        inside.wait(5)
+        third.append(engine.add_request(prompts[2], RequestParams(max_new_tokens=10, eos_token_id=[])))
+        events.append("added")
+        engine.abort(first)
+        events.append("aborted")
+
+    monkeypatch.setattr(HFModelRunner, "step_logits", slow)
+    third, other = [], threading.Thread(target=meanwhile)
+    other.start()
+    step()
+    other.join(5)
+    assert events[:3] == ["forward ended", "added", "aborted"]  # both waited for the step
+    monkeypatch.setattr(HFModelRunner, "step_logits", forward)
+    while engine.has_unfinished():
+        step()
+    for rid, prompt in ((second, prompts[1]), (third[0], prompts[2])):
+        expected = reference_greedy(llama_tiny, prompt.view(1, -1), 10, eos_token_id=[])[0, prompt.numel():]
+        assert outputs[rid] == expected.tolist()
 
 
 def test_prompt_chunks_packed_together_stay_inside_each_slots_store():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import operator
+import threading
 import time
 import weakref
 from collections import deque
@@ -238,6 +239,9 @@ class Engine:
         self._interrupted: dict[int, BaseException] = {}
         self._unreported: list[StepOutput] = []  # their ends, freed by a step that then failed
         self._stepping = False
+        # Held by a step, and by adding or ending a request: another thread's call waits for the step to end
+        # (reentrant: this thread's, from a processor, a criterion or a draft source, is refused by name).
+        self._lock = threading.RLock()
 
     def warm_up(self) -> None:
         """With compile=True, compile now the step shapes this engine will meet (`HFModelRunner.warm_up`: a
@@ -274,10 +278,11 @@ class Engine:
                                    stats=acceptance_stats(self.model, rule.choose is not None),
                                    context=context_length(self.model), vocabulary=vocabulary_size(self.model),
                                    keep_scores=params.output_scores or params.output_logits)
-        request = _Request(self._next_id, prompt, params, decoder, set(stops),
-                           GenerationStats(window=decoder.window.width), padding=padding)
-        self._next_id += 1
-        self._waiting.append(request)
+        with self._lock:
+            request = _Request(self._next_id, prompt, params, decoder, set(stops),
+                               GenerationStats(window=decoder.window.width), padding=padding)
+            self._next_id += 1
+            self._waiting.append(request)
         return request.id
 
     def has_unfinished(self) -> bool:
@@ -299,37 +304,39 @@ class Engine:
         """End a running request now, as if it had stopped after its first `tokens` new tokens (None: all it
         has): a rule of the caller's own met (a stop string). Its text goes into its corpus, as a finished
         request's does; a request still waiting is dropped. False if unknown."""
-        self._refuse_during_step("finish")
-        request = self._holding(request_id)
-        if request is None:
-            return self.abort(request_id)
-        if tokens is not None:
-            if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or not (
-                    0 <= tokens <= len(request.generated)):
-                raise ValueError(f"tokens must be an integer in [0, {len(request.generated)}] (the new tokens request "
-                                 f"{request_id} has) or None, got {tokens!r}")
-            del request.generated[tokens:]
-        self._finish(request)
-        return True
+        with self._lock:
+            self._refuse_during_step("finish")
+            request = self._holding(request_id)
+            if request is None:
+                return self.abort(request_id)
+            if tokens is not None:
+                if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or not (
+                        0 <= tokens <= len(request.generated)):
+                    raise ValueError(f"tokens must be an integer in [0, {len(request.generated)}] (the new tokens "
+                                     f"request {request_id} has) or None, got {tokens!r}")
+                del request.generated[tokens:]
+            self._finish(request)
+            return True
 
     def abort(self, request_id: int) -> bool:
         """Drop a request, waiting or running; its slot is free for the next step. False if unknown."""
-        self._refuse_during_step("abort")
-        for request in self._waiting:
-            if request.id == request_id:
-                self._waiting.remove(request)
-                return True
-        request = self._holding(request_id)
-        if request is not None:
-            self._free(request)
-        return request is not None
+        with self._lock:
+            self._refuse_during_step("abort")
+            for request in self._waiting:
+                if request.id == request_id:
+                    self._waiting.remove(request)
+                    return True
+            request = self._holding(request_id)
+            if request is not None:
+                self._free(request)
+            return request is not None
 
     def _refuse_during_step(self, method: str) -> None:
         """Slots move when a request leaves; in the middle of a step, the step's own bookkeeping would then
         write other requests' caches."""
         if self._stepping:
             raise RuntimeError(f"Engine.{method}() was called while Engine.step() runs (from a logits processor, a "
-                               "stopping criterion, a draft source or another thread): call it between steps")
+                               "stopping criterion or a draft source): call it between steps")
 
     def _holding(self, request_id: int) -> _Request | None:
         """The request of this id if it holds a slot."""
@@ -337,24 +344,25 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Admit waiting requests to free slots, feed a chunk of the joining prompts, and decode one step
-        of every request whose prompt is in; what each request committed. Not re-entrant, nor thread-safe:
-        one thread steps the engine and adds or ends requests between steps."""
-        self._refuse_during_step("step")
-        self._stepping = True
-        try:
-            interrupted = [r for r in self._slots if r is not None and r.id in self._interrupted]
-            reports = self._unreported + [StepOutput(r.id, [], True, error=self._interrupted.pop(r.id))
-                                          for r in interrupted]
-            self._unreported = []
-            for request in interrupted:
-                self._free(request)
+        of every request whose prompt is in; what each request committed. Not re-entrant; other threads'
+        calls (add_request, abort, finish, step) wait for it to end."""
+        with self._lock:
+            self._refuse_during_step("step")
+            self._stepping = True
             try:
-                return reports + self._step()
-            except BaseException:  # a failed forward, say: the ends of the interrupted ones come with the next step
-                self._unreported = reports
-                raise
-        finally:
-            self._stepping = False
+                interrupted = [r for r in self._slots if r is not None and r.id in self._interrupted]
+                reports = self._unreported + [StepOutput(r.id, [], True, error=self._interrupted.pop(r.id))
+                                              for r in interrupted]
+                self._unreported = []
+                for request in interrupted:
+                    self._free(request)
+                try:
+                    return reports + self._step()
+                except BaseException:  # a failed forward, say: the ends of the interrupted ones come with the next step
+                    self._unreported = reports
+                    raise
+            finally:
+                self._stepping = False
 
     def _step(self) -> list[StepOutput]:
         self._laps("other")
