@@ -766,17 +766,25 @@ def test_the_serve_command_starts_on_the_default_model():
 
     command = shutil.which("lookahead", path=str(Path(sys.executable).parent))
     # One thread, as each test worker runs: the server reads the cost curves the workers measured instead of
-    # measuring its own on two threads beside them (103 s to answer in a fresh CI run, of a 120 s deadline).
+    # measuring its own on two threads beside them (103 s to answer in a fresh CI run). Where it runs before
+    # the workers have measured them, it says so first ("lookahead: timing ..."), then where it serves.
     process = subprocess.Popen([command, "serve", "--port", "0", "--max-batch", "2", "--threads", "1",
                                 "--corpus-mb", "8", "--allow-origin", "http://localhost:3000"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        found = [None]
-        reader = threading.Thread(target=lambda: found.__setitem__(0, process.stderr.readline()), daemon=True)
+        said: list[str] = []
+
+        def until_serving() -> None:
+            for line in process.stderr:
+                said.append(line)
+                if line.startswith("serving "):
+                    return
+
+        reader = threading.Thread(target=until_serving, daemon=True)
         reader.start()
-        reader.join(120)
-        assert found[0], "the server said nothing within 120 s"
-        url = re.fullmatch(r"serving SmolLM2-135M-Instruct on (http://127\.0\.0\.1:\d+) \(.*\)\n", found[0]).group(1)
+        reader.join(240)
+        assert said and said[-1].startswith("serving "), f"the server did not say where it serves in 240 s: {said}"
+        url = re.fullmatch(r"serving SmolLM2-135M-Instruct on (http://127\.0\.0\.1:\d+) \(.*\)\n", said[-1]).group(1)
         assert raw(f"{url}/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         reply = api.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=4,

@@ -118,8 +118,9 @@ class GenerateOutput:
 @dataclass(frozen=True)
 class RequestParams:
     """How one request decodes. Sampling options as in `generate`: unset ones (`do_sample` too) come from the
-    generation config (the request's, else the model's), so greedy unless one asks for sampling. seed: this request's own sampling generator, so that its output does
-    not depend on what else is in the batch (or pass `generator`). config None: `AUTO_CONFIG`.
+    generation config (the request's, else the model's), so greedy unless one asks for sampling. seed: this
+    request's own sampling generator, so that its output does not depend on what else is in the batch (or pass
+    `generator`). config None: `AUTO_CONFIG`.
     corpus: text shared with other requests for the suffix and recycle sources; the request's prompt and
     output are added to it when it finishes. proposers: more draft sources, owned by this request.
     stopping_criteria: transformers `StoppingCriteria` (e.g. `StopStringCriteria`), each called as `generate`
