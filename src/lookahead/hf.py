@@ -12,7 +12,7 @@ import time
 import timeit
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
@@ -404,9 +404,10 @@ def _version(tensor: torch.Tensor) -> int:
         return 0
 
 
-def _cache_argument(model: PreTrainedModel) -> str:
-    """The name under which the model's forward takes its cache (transformers renamed it in some models)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+def _cache_argument(parameters: Mapping[str, inspect.Parameter]) -> str:
+    """The name under which a model's forward (of these parameters) takes its cache (transformers renamed it in
+    some models)."""
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def check_model(model: PreTrainedModel) -> None:
@@ -432,7 +433,7 @@ def check_model(model: PreTrainedModel) -> None:
         raise UnsupportedModelError(f"{type(model).__name__} with alibi=True takes its positions from a 2-D attention "
                                     "mask; lookahead steps need position_ids and a 4-D mask")
     parameters = inspect.signature(model.forward).parameters
-    if _cache_argument(model) not in parameters or "position_ids" not in parameters:
+    if _cache_argument(parameters) not in parameters or "position_ids" not in parameters:
         raise UnsupportedModelError(f"{type(model).__name__}.forward must accept attention_mask, position_ids and a cache")
     if not is_causal(model):
         raise UnsupportedModelError(f"{type(model).__name__} attends to later tokens (not a causal LM as loaded; a "
@@ -558,8 +559,9 @@ class HFModelRunner:
         self.compile_mode = compile_mode(compile)
         config = model.config.get_text_config(decoder=True)
         self.layer_types: list[str] | None = getattr(config, "layer_types", None)
-        self.cache_argument = _cache_argument(model)
-        self.keeps_some_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        parameters = inspect.signature(model.forward).parameters
+        self.cache_argument = _cache_argument(parameters)
+        self.keeps_some_logits = "logits_to_keep" in parameters
         # Sliding-window layers get a mask limited to the window; the cache itself keeps everything.
         window = getattr(config, "sliding_window", None)
         uses_sliding = self.layer_types is None or "sliding_attention" in self.layer_types
