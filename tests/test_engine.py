@@ -459,6 +459,29 @@ def test_numpy_token_ids_from_a_draft_source_and_a_numpy_length_are_taken_as_int
     assert errors == {} and outputs[rid] == expected and all(type(t) is int for t in outputs[rid])
 
 
+def test_numpy_and_tensor_integers_are_taken_as_ints_everywhere_and_bools_and_floats_are_refused(llama_tiny):
+    import numpy as np
+
+    prompt = prompts_of([9], seed=13)[0]
+    expected = reference_greedy(llama_tiny, prompt.view(1, -1), 12, eos_token_id=[])[0, prompt.numel():].tolist()
+    config = LookaheadConfig(window=np.int64(2), ngram=np.int32(3), guesses=torch.tensor(2), suffix=np.int64(8))
+    assert all(type(getattr(config, name)) is int for name in ("window", "ngram", "guesses", "suffix"))
+    engine = Engine(llama_tiny, max_batch=np.int64(2), max_length=np.int64(64), prefill_chunk=torch.tensor(16))
+    assert (type(engine.max_batch), type(engine.max_length), type(engine.prefill_chunk)) == (int, int, int)
+    rid = engine.add_request(prompt, RequestParams(max_new_tokens=torch.tensor(12), eos_token_id=[], config=config))
+    outputs: dict[int, list[int]] = {}
+    errors: dict[int, Exception] = {}
+    _run(engine, {rid: prompt}, outputs, errors)
+    assert errors == {} and outputs[rid] == expected
+    for bad in (True, np.True_, torch.tensor(True), 2.0, torch.tensor(2.0), "2"):
+        with pytest.raises(ValueError, match=r"max_batch must be an integer >= 1, got"):
+            Engine(llama_tiny, max_batch=bad)
+        with pytest.raises(ValueError, match=r"LookaheadConfig.window must be an integer >= 0"):
+            LookaheadConfig(window=bad)
+        with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1, got"):
+            engine.add_request(prompt, RequestParams(max_new_tokens=bad))
+
+
 class CallsEngine:
     """A stopping criterion that calls `action(engine)` at its `when`-th call, and stops nothing."""
 

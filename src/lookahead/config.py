@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .integers import checked_int
+
 # The window's rows with the last token are at most this: at most half of a step, drafts the rest.
 WINDOW_ROWS_BELOW = 128
 
@@ -39,18 +41,23 @@ class LookaheadConfig:
     budget: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("window", self.window, 0, "an integer >= 0 (0 disables the lookahead branch)")
-        _check_int("ngram", self.ngram, 2, "an integer >= 2")
-        _check_int("guesses", self.guesses, 0, "an integer >= 0 (0: the pool proposes no n-grams)")
-        _check_int("suffix", self.suffix, 0, "an integer >= 0 (0 disables the suffix source)")
-        _check_int("recycle", self.recycle, 0, "an integer >= 0 (0 disables the recycle source)")
+        self._check_int("window", 0, "an integer >= 0 (0 disables the lookahead branch)")
+        self._check_int("ngram", 2, "an integer >= 2")
+        self._check_int("guesses", 0, "an integer >= 0 (0: the pool proposes no n-grams)")
+        self._check_int("suffix", 0, "an integer >= 0 (0 disables the suffix source)")
+        self._check_int("recycle", 0, "an integer >= 0 (0 disables the recycle source)")
         for name in ("seed_from_prompt", "learn_from_output", "budget"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LookaheadConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        _check_int("seed", self.seed, 0, "an integer >= 0")
+        self._check_int("seed", 0, "an integer >= 0")
         if 1 + self.window * self.levels > WINDOW_ROWS_BELOW:
             raise ValueError(f"the window of {self.window} x {self.levels} rows is too large for one step; "
                              f"window x (ngram - 1) must be below {WINDOW_ROWS_BELOW}")
+
+    def _check_int(self, name: str, minimum: int, allowed: str) -> None:
+        """The field as a Python int (a numpy integer is taken as the int it holds), or ValueError naming it."""
+        object.__setattr__(self, name, checked_int(f"LookaheadConfig.{name}", getattr(self, name), minimum,
+                                                   allowed=allowed))
 
     @property
     def levels(self) -> int:
@@ -65,11 +72,6 @@ class LookaheadConfig:
         sources = (f"S{self.suffix}" if self.suffix else "") + (f"R{self.recycle}" if self.recycle else "")
         return f"W{self.window}N{self.ngram}G{self.guesses}{sources}" + ("-budget" if self.budget else "")
 
-
-
-def _check_int(name: str, value: object, minimum: int, allowed: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"LookaheadConfig.{name} must be {allowed}, got {value!r}")
 
 
 # What `config=None` means: every source, each step sized to the device's measured cost curve.

@@ -11,8 +11,6 @@ corrected by the engine's own step times (`core.prices`), which also decide whet
 from __future__ import annotations
 
 import dataclasses
-import numbers
-import operator
 import threading
 import time
 import weakref
@@ -32,6 +30,7 @@ from .core.prices import StepPrices
 from .core.suffix import Corpus
 from .costs import CostCurve, batch_cost_curve
 from .hf import HFModelRunner, available_memory, check_model, context_length, is_sharded, vocabulary_size
+from .integers import checked_int
 from .runtime.batch import StepInput, causal_step, pack_steps
 from .sampling import DecodingOptions, check_decoding_options, decoding_rule, list_of, type_names, with_model_defaults
 
@@ -202,15 +201,12 @@ class Engine:
 
     def __init__(self, model: PreTrainedModel, max_batch: int = 8, max_length: int | None = None,
                  prefill_chunk: int = 512, packed_linear: bool | None = None, compile: bool | str = False) -> None:
-        for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        max_batch, prefill_chunk = checked_int("max_batch", max_batch, 1), checked_int("prefill_chunk", prefill_chunk, 1)
         self.runner = HFModelRunner(model, packed_linear=packed_linear, compile=compile)
         context = context_length(model)
         if max_length is None:
             max_length = min(context or 4096, 4096)
-        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
-            raise ValueError(f"max_length must be an integer >= 2, got {max_length!r}")
+        max_length = checked_int("max_length", max_length, 2)
         if context is not None and max_length > context:
             raise ValueError(f"max_length ({max_length}) exceeds the model's context of {context} positions")
         self.model = model
@@ -258,7 +254,7 @@ class Engine:
         penalty skips them as `generate`'s does); the model never sees them."""
         params = _with_config_defaults(self.model, RequestParams() if params is None else params)
         config = check_params(self.model, params)
-        params = dataclasses.replace(params, max_new_tokens=as_int(params.max_new_tokens))
+        params = dataclasses.replace(params, max_new_tokens=checked_int("max_new_tokens", params.max_new_tokens, 1))
         prompt = check_request(self.model, prompt_ids, params.max_new_tokens)
         if prompt.numel() + params.max_new_tokens > self.max_length:
             raise ValueError(
@@ -311,11 +307,10 @@ class Engine:
             if request is None:
                 return self.abort(request_id)
             if tokens is not None:
-                if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or not (
-                        0 <= tokens <= len(request.generated)):
-                    raise ValueError(f"tokens must be an integer in [0, {len(request.generated)}] (the new tokens "
-                                     f"request {request_id} has) or None, got {tokens!r}")
-                del request.generated[tokens:]
+                has = len(request.generated)
+                kept = checked_int("tokens", tokens, 0, has, allowed=f"an integer in [0, {has}] (the new tokens "
+                                   f"request {request_id} has) or None")
+                del request.generated[kept:]
             self._finish(request)
             return True
 
@@ -627,17 +622,6 @@ def _with_config_defaults(model: PreTrainedModel, params: RequestParams) -> Requ
     return params
 
 
-def as_int(value: object) -> object:
-    """An integer given as numpy's or as a 0-d tensor, as a Python int (as stop token ids are taken); any other
-    value as it is, for the checks to refuse by name."""
-    if isinstance(value, int):  # bool too: refused by name later
-        return value
-    try:
-        return operator.index(value)
-    except TypeError:
-        return value
-
-
 def _checked_padding(padding: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """`add_request`'s padding as a 1-D long tensor; ValueError for anything but token ids in a row."""
     tensor = as_token_tensor(padding, "padding")
@@ -672,8 +656,7 @@ def check_request(model: PreTrainedModel, input_ids: torch.Tensor | list[int], m
     Raises ValueError naming the argument and what is allowed."""
     check_model(model)
     prompt = _prompt_tensor(input_ids)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    checked_int("max_new_tokens", max_new_tokens, 1)
     vocabulary = vocabulary_size(model)
     outside = prompt[(prompt < 0) | (prompt >= vocabulary)]
     if outside.numel():
@@ -734,9 +717,7 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
             raise TypeError(f"corpus must be a lookahead Corpus or None, got {type(params.corpus).__name__}")
         params.corpus.serve(vocabulary_size(model))
     if params.seed is not None:
-        if isinstance(params.seed, bool) or not isinstance(params.seed, numbers.Integral) or not (
-                -2**63 <= params.seed < 2**64):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {params.seed!r}")
+        checked_int("seed", params.seed, -2**63, 2**64 - 1, allowed="an integer in [-2**63, 2**64)")
         if params.generator is not None:
             raise ValueError("give a request seed or a generator, not both")
     if not list_of(params.stopping_criteria or (), callable):

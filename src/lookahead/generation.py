@@ -15,9 +15,10 @@ from transformers import (GenerationConfig, LogitsProcessor, MaxTimeCriteria, Pr
 from .config import LookaheadConfig
 from .core.drafts import Proposer
 from .core.suffix import Corpus
-from .engine import (Engine, GenerateOutput, GenerationStats, RequestParams, as_int, as_token_tensor, check_params,
+from .engine import (Engine, GenerateOutput, GenerationStats, RequestParams, as_token_tensor, check_params,
                      check_request, eos_ids, StoppingCriterion, pad_id, stop_token_list)
 from .hf import check_model
+from .integers import checked_int, integer
 from .sampling import (check_generation_config, merged_by_type, unsupported_option, unsupported_search,
                        with_model_defaults)
 
@@ -126,10 +127,9 @@ def generate(
                            output_scores, output_logits, None if settings is model.generation_config else settings,
                            prefix_allowed_tokens_fn)
     check_params(model, params)
-    pad = pad_id(model, eos_token_id, settings) if pad_token_id is None else as_int(pad_token_id)
-    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
-        given = "pad_token_id" if pad_token_id is not None else "the model's pad token (generation config)"
-        raise ValueError(f"{given} must be a token id (an integer >= 0) or None, got {pad!r}")
+    given = "pad_token_id" if pad_token_id is not None else "the model's pad token (generation config)"
+    pad = checked_int(given, pad_id(model, eos_token_id, settings) if pad_token_id is None else pad_token_id, 0,
+                      allowed="a token id (an integer >= 0) or None")
     checked = [check_request(model, prompt, max_new_tokens) for prompt in prompts]
     if len(checked) > 1 and streamer is not None:
         raise ValueError("streamer takes one sequence: pass one prompt, or no streamer")
@@ -310,13 +310,13 @@ def _new_tokens(config: GenerationConfig, max_new_tokens: int | None, width: int
     max_new_tokens, else its max_length less the input's `width` (positions, padding included); else
     DEFAULT_NEW_TOKENS."""
     if max_new_tokens is not None:
-        return as_int(max_new_tokens)
+        return checked_int("max_new_tokens", max_new_tokens, 1)
     if getattr(config, "max_new_tokens", None) is not None:
         return config.max_new_tokens
     length = getattr(config, "max_length", None)
     if length is None:
         return DEFAULT_NEW_TOKENS
-    if isinstance(length, bool) or not isinstance(length, int) or length <= width:
+    if integer(length) is None or integer(length) <= width:
         raise ValueError(f"max_new_tokens is unset and the generation config sets max_length={length!r}, "
                          f"which leaves no room after the input's {width} positions: pass max_new_tokens")
     return length - width

@@ -36,6 +36,7 @@ from .core.drafter import node_counts
 from .core.split import split_step
 from .engine import STEP_ROOM, GenerateOutput, GenerationStats, check_request, eos_ids, kept_tokens
 from .hf import HFModelRunner, context_length
+from .integers import checked_int
 from .runtime.batch import StepInput, after_tokens, causal_step, pack_steps
 from .sampling import DecodingOptions, decoding_rule
 
@@ -159,8 +160,7 @@ def run_workers(workers: int, target: Callable[..., object], *args, threads: int
     importable by name (a module-level function). If a process fails, the others are stopped at once and
     WorkerError names the one that failed first and why (not the others, whose collectives failed on
     losing it); a collective waits at most `timeout` for a process that hangs."""
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    workers = checked_int("workers", workers, 1)
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
     # Workers fork from a server process that imported torch and transformers once (kept for later calls),
     # instead of each importing them afresh: 5-10 s per worker on 2 CPU cores, several at once. They are

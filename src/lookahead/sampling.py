@@ -42,6 +42,7 @@ from transformers.generation.logits_process import TopHLogitsWarper
 
 from .core.decoder import LogitsTransform
 from .core.verify import ChooseRule, gumbel_noise, sample_choice
+from .integers import checked_int
 
 # What `generate` uses when neither the call nor the model's generation config sets a value.
 GENERATE_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
@@ -175,8 +176,8 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
     _check_number("top_p", options.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")
     _check_number("repetition_penalty", options.repetition_penalty, lambda v: v > 0, "a number > 0")
     top_k = options.top_k
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
+    if top_k is not None:
+        checked_int("top_k", top_k, 0, allowed="an integer >= 0 (0 disables it)")
     if options.generator is not None and not isinstance(options.generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(options.generator).__name__}")
     if options.logits_processor is not None and not list_of(options.logits_processor, callable):

@@ -6,7 +6,6 @@ Framework-free: the caller runs the model on `StepPlan.tokens` at `last_position
 
 from __future__ import annotations
 
-import numbers
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import LookaheadConfig
+from ..integers import integer
 from .drafter import AcceptanceStats, RankedNodes, RowDemand, node_counts, rank_nodes, window_width
 from .drafts import Draft, Proposer
 from .layout import GuessTree, StepLayout, step_layout
@@ -278,14 +278,17 @@ def _checked_draft(draft: Draft, source: str, vocabulary: int | None) -> Draft:
     tokens = draft.tokens.tolist() if hasattr(draft.tokens, "tolist") else draft.tokens  # an array's too
     if not isinstance(tokens, (list, tuple)):
         raise TypeError(f"draft source {source!r} proposed tokens={draft.tokens!r:.200}, not a sequence of token ids")
-    if isinstance(draft.context, bool) or not isinstance(draft.context, numbers.Integral) or draft.context < 0:
+    context = integer(draft.context)
+    if context is None or context < 0:
         raise ValueError(f"draft source {source!r} proposed a draft of context={draft.context!r}: the number of "
                          "the text's last tokens it matched must be an integer >= 0")
+    ids = []
     for token in tokens:
-        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+        if (number := integer(token)) is None:
             raise ValueError(f"draft source {source!r} proposed {token!r} ({type(token).__name__}), not a token id "
                              "(an int)")
-        if vocabulary is not None and not 0 <= token < vocabulary:
-            raise ValueError(f"draft source {source!r} proposed token id {token}, outside the model's vocabulary "
+        if vocabulary is not None and not 0 <= number < vocabulary:
+            raise ValueError(f"draft source {source!r} proposed token id {number}, outside the model's vocabulary "
                              f"[0, {vocabulary})")
-    return Draft(tuple(int(token) for token in tokens), source, int(draft.context))
+        ids.append(number)
+    return Draft(tuple(ids), source, context)

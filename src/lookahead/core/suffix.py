@@ -7,6 +7,7 @@ import numbers
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+from ..integers import integer
 from .drafts import Draft
 from .recycle import SuccessorTable
 
@@ -221,11 +222,11 @@ def _token_ids(tokens: object) -> list[int]:
     given = tokens
     if hasattr(tokens, "tolist") and not isinstance(tokens, (list, tuple)):
         tokens = tokens.tolist()
-    if not isinstance(tokens, (list, tuple)) or not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in tokens):
+    ids = [integer(t) for t in tokens] if isinstance(tokens, (list, tuple)) else [None]
+    if None in ids or any(t < 0 for t in ids):
         raise ValueError("a corpus document must be a 1-D sequence of token ids (integers >= 0), e.g. a "
                          f"tokenizer's input_ids for one text; got {type(given).__name__}")
-    return [int(t) for t in tokens]
+    return ids
 
 
 class SuffixProposer:

@@ -1,0 +1,27 @@
+"""Integer arguments as callers pass them: a Python int, a numpy integer or a one-element integer tensor, each
+taken as the Python int it holds; never a bool (True == 1 is no count) nor a float (3.0)."""
+
+from __future__ import annotations
+
+import operator
+
+
+def integer(value: object) -> int | None:
+    """`value` as a Python int where it is an integer, else None."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")).endswith("bool"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def checked_int(name: str, value: object, minimum: int, maximum: int | None = None, allowed: str | None = None) -> int:
+    """`value` as a Python int; ValueError naming `name` unless it is an integer in [minimum, maximum] (`allowed`:
+    what the message says is allowed; by default the range)."""
+    number = integer(value)
+    if number is None or number < minimum or (maximum is not None and number > maximum):
+        if allowed is None:
+            allowed = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return number
