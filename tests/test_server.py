@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import reference_greedy
 
+from lookahead.bench.serve import stream_chat
 from lookahead.prompts import encode_messages
 from lookahead.serve import LOOPBACK_HOSTS, ChatRequest, CompletionRequest, create_app, hosts_to_allow, serve_in_thread
 
@@ -836,7 +837,9 @@ def scrape(url: str) -> dict[str, float]:
 def test_metrics_count_requests_tokens_and_latencies(server):
     url, _ = server
     before = scrape(url)
-    reply = client(url).completions.create(model=MODEL, prompt="One, two, three,", max_tokens=10, temperature=0)
+    off = {"lookahead": "off"}  # a token a step: every token but the first has its own interval
+    reply = client(url).completions.create(model=MODEL, prompt="One, two, three,", max_tokens=10, temperature=0,
+                                           extra_body=off)
     assert raw(f"{url}/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2})[0] == 400
     assert raw(f"{url}/v1/models", key="wrong")[0] == 401
     after = scrape(url)
@@ -858,8 +861,9 @@ def test_metrics_count_requests_tokens_and_latencies(server):
     # of two prompts is one request.
     before = after
     cut = client(url).completions.create(model=MODEL, prompt="One, two, three,", max_tokens=10, temperature=0,
-                                         stop=[reply.choices[0].text.split(",")[1]])
-    both = client(url).completions.create(model=MODEL, prompt=["One, two,", "Red, green,"], max_tokens=3, temperature=0)
+                                         stop=[reply.choices[0].text.split(",")[1]], extra_body=off)
+    both = client(url).completions.create(model=MODEL, prompt=["One, two,", "Red, green,"], max_tokens=3, temperature=0,
+                                          extra_body=off)
     after = scrape(url)
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens < made
     assert grew('lookahead_requests_total{endpoint="completions"}') == 2
@@ -868,6 +872,37 @@ def test_metrics_count_requests_tokens_and_latencies(server):
     assert grew("lookahead_inter_token_latency_seconds_count") == (
         cut.usage.completion_tokens + both.usage.completion_tokens - first_tokens)
     assert grew("lookahead_tokens_per_step_count") == 3
+
+
+def test_tokens_that_come_with_the_first_count_in_no_inter_token_interval(server):
+    url, _ = server
+    # A pattern that the reply's first step continues from the prompt: several tokens at once.
+    before = scrape(url)
+    events = []
+    with client(url).completions.create(model=MODEL, prompt="1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,", max_tokens=12,
+                                        temperature=0, stream=True, stream_options={"include_usage": True}) as stream:
+        for event in stream:
+            events.append(event)
+    after = scrape(url)
+    progress = [e.model_extra["lookahead"]["tokens"] for e in events if (e.model_extra or {}).get("lookahead")]
+    first, made = progress[0], events[-1].usage.completion_tokens
+    assert first > 1 and progress[-1] == made  # the case tested; the last event says the whole count
+    assert after["lookahead_inter_token_latency_seconds_count"] - before["lookahead_inter_token_latency_seconds_count"] \
+        == made - first
+
+
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_bench_serve_counts_a_last_step_that_makes_no_text(server, mode):
+    url, _ = server
+    # A short reply ending in the end-of-sequence token, which makes no text: with lookahead off it comes in a step
+    # of its own, which sends no text; the bench counted it in neither tokens nor steps.
+    result = stream_chat(url, MODEL, "What is 2+2?", 64, mode, KEYS[0], timeout=120)
+    reply = client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is 2+2?"}],
+                                                max_tokens=64, temperature=0, extra_body={"lookahead": mode})
+    assert result.error is None and reply.choices[0].finish_reason == "stop"
+    assert result.tokens == reply.usage.completion_tokens and result.text == reply.choices[0].message.content
+    if mode == "off":
+        assert result.steps == result.tokens and len(result.gaps) == result.tokens - 1
 
 
 def chromium_driver(tmp_path):

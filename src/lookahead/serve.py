@@ -790,9 +790,10 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                     piece = reply.add(output.tokens, output.finished)
                     kept = reply.tokens - before  # the step's tokens up to a stop string's cut: the reply's
                     if kept:
-                        # Tokens of one step arrive together: they share its interval (the first step's
-                        # later tokens came with the first one, at no interval).
-                        gaps = [0.0] * (kept - 1) if last is None else [(now - last) / kept] * kept
+                        # Tokens of one step arrive together: they share its interval. Those that came with the
+                        # first token had none: they count in no interval, rather than as intervals of 0 s
+                        # that would flatter lookahead, whose first step often brings several.
+                        gaps = [] if last is None else [(now - last) / kept] * kept
                         if last is None:
                             metrics.first_token.observe(now - arrived)
                         for gap in gaps:
@@ -847,14 +848,18 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                         if await request.is_disconnected():
                             return
                         event = chunk(piece, None)
-                        # Our extension; clients ignore it.
+                        # Our extension, clients ignore it: the reply's tokens and steps so far.
                         event["lookahead"] = {"tokens": reply.tokens, "steps": steps}
                         yield f"data: {json.dumps(event)}\n\n"
                 except APIError as error:  # the status is sent already: an error event ends the stream, no finish
                     metrics.errors.labels(str(error.status)).inc()
                     yield f"data: {json.dumps(error.body())}\n\n"
                     return
-                yield f"data: {json.dumps(chunk(None, reply.finish_reason))}\n\n"
+                finish = chunk(None, reply.finish_reason)
+                # The progress again: a last step whose tokens make no text (an end-of-sequence token alone) is
+                # counted here, or a client counting by the events with text would miss it.
+                finish["lookahead"] = {"tokens": reply.tokens, "steps": steps}
+                yield f"data: {json.dumps(finish)}\n\n"
                 if body.stream_options is not None and body.stream_options.include_usage:
                     last = chunk(None, None)
                     last["choices"], last["usage"] = [], usage()

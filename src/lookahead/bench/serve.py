@@ -31,7 +31,9 @@ class StreamResult:
     tokens: int = 0
     steps: int = 0
     first_token: float | None = None  # seconds from sending the request
-    gaps: list[float] = field(default_factory=list)  # seconds between tokens (a step's tokens share its gap)
+    # Seconds between tokens after the first event (a step's tokens share its gap; those that came with the
+    # first token count in none).
+    gaps: list[float] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -85,9 +87,8 @@ def stream_chat(url: str, model: str, content: str, max_tokens: int, mode: str, 
                     continue
                 now = time.perf_counter()
                 new = progress["tokens"] - result.tokens
-                if last is None:
+                if last is None:  # tokens that came with the first one had no interval: none counted
                     result.first_token = now - start
-                    result.gaps += [0.0] * (new - 1)
                 else:
                     result.gaps += [(now - last) / new] * new
                 last = now
