@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -196,18 +197,11 @@ def test_workers_stop_when_their_caller_is_interrupted(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_workers(2, _sleep_marked, str(tmp_path), threads=1)
 
-    def alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
     pids = [int(path.name) for path in tmp_path.iterdir()]
     deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert len(pids) == 2 and not any(alive(pid) for pid in pids)
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
 
 
 def _misuse(case: str) -> None:
@@ -218,12 +212,109 @@ def _misuse(case: str) -> None:
         parallel_generate(model, PROMPT, 8, LookaheadConfig(budget=True))
     if case == "prompts":
         parallel_generate(model, PROMPT[: 5 + dist.get_rank()], 8)
+    if case in ("stop_strings", "max_time"):  # what one process applies (with the tokenizer, on its clock)
+        setattr(model.generation_config, case, "x" if case == "stop_strings" else 1e-4)
+        parallel_generate(model, PROMPT, 8)
 
 
-@pytest.mark.parametrize("case, words", [("budget", "fixed step"), ("prompts", "different prompts")])
+@pytest.mark.parametrize("case, words", [("budget", "fixed step"), ("prompts", "different prompts"),
+                                         ("stop_strings", "sets stop_strings='x'"), ("max_time", "sets max_time=0.0001")])
 def test_misuse_is_refused_on_every_rank(case, words):
     with pytest.raises(WorkerError, match=words):
         run_workers(2, _misuse, case, threads=1)
+
+
+def _sampled_by_the_generation_config() -> tuple[list[int], list[int], list[int]]:
+    model = make_tiny_model("llama")
+    model.generation_config.do_sample, model.generation_config.temperature = True, 1.5
+    config = LookaheadConfig(4, 3, 4)
+    return tuple(parallel_generate(model, PROMPT, 24, config, eos_token_id=[], seed=5, **sample).sequences[0].tolist()
+                 for sample in ({}, {"do_sample": True}, {"do_sample": False}))
+
+
+def test_do_sample_unset_is_the_generation_configs_as_in_generate():
+    default, sampled, greedy = run_workers(2, _sampled_by_the_generation_config, threads=1)
+    assert default == sampled and default != greedy
+
+
+def test_bad_run_workers_arguments_are_refused_before_any_worker_starts(monkeypatch):
+    import types
+
+    import lookahead.parallel
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("workers were started")
+
+    monkeypatch.setattr(lookahead.parallel.mp, "start_processes", no_workers)
+    for threads in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"threads must be an integer >= 1, got"):
+            run_workers(2, _environment_variable, "X", threads=threads)
+    for timeout in ("5", -1, 0, float("inf"), True):
+        with pytest.raises(ValueError, match=r"timeout must be a timedelta or a number of seconds > 0, got"):
+            run_workers(2, _environment_variable, "X", timeout=timeout)
+
+    def typed_in_a_session() -> None: ...
+
+    typed_in_a_session.__module__ = "__main__"
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # `python -c`: no file
+    with pytest.raises(ValueError, match="interactive session or `python -c`"):
+        run_workers(2, typed_in_a_session)
+
+
+def test_a_timeout_in_seconds_is_taken():
+    assert run_workers(2, _environment_variable, "LOOKAHEAD_NOT_SET", threads=1, timeout=30) is None
+
+
+CALLER = """
+import os, sys, time
+from pathlib import Path
+from lookahead.parallel import run_workers
+
+def marked(folder):
+    Path(folder, str(os.getpid())).touch()
+    time.sleep(120)
+
+if __name__ == "__main__":
+    run_workers(2, marked, sys.argv[1], threads=1)
+"""
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_workers_stop_when_their_caller_is_killed(tmp_path, how):
+    """A caller killed by a signal that runs no clean-up of its own: its workers stop within a second or so, and
+    the rendezvous folder goes with them."""
+    marks, scratch = tmp_path / "marks", tmp_path / "tmp"
+    marks.mkdir()
+    scratch.mkdir()
+    script = tmp_path / "caller.py"
+    script.write_text(CALLER)
+    caller = subprocess.Popen([sys.executable, str(script), str(marks)], env={**os.environ, "TMPDIR": str(scratch)})
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(marks.iterdir())) < 2 and time.monotonic() < deadline and caller.poll() is None:
+            time.sleep(0.1)
+        pids = [int(path.name) for path in marks.iterdir()]
+        assert len(pids) == 2 and list(scratch.glob("lookahead-workers-*"))
+        caller.send_signal(how)
+        caller.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids)
+        assert not list(scratch.glob("lookahead-workers-*"))
+    finally:
+        caller.kill()
+        for pid in [int(path.name) for path in marks.iterdir()]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _environment_variable(name: str) -> str | None:
@@ -283,6 +374,23 @@ def test_torchrun_launches_the_same_decoding(tiny_dir):
     alone = run("generate", "One two three", "--model", tiny_dir, "--raw", "--window", "4", "--guesses", "4",
                 "--max-new-tokens", "24", "--json")
     assert reports[0]["text"] == json.loads(alone.stdout)["text"] and reports[0]["steps"] == json.loads(alone.stdout)["steps"]
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_refused_call_says_why_in_a_line_on_each_rank(tiny_dir, tmp_path):
+    """What each rank's parallel_generate refuses (a generation config that beam-searches) ends that rank as one
+    process ends: an `Error:` line and exit code 2, not a traceback per rank."""
+    folder = tmp_path / "beams"
+    shutil.copytree(tiny_dir, folder)
+    settings = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**settings, "num_beams": 2}))
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "lookahead", "generate", "One two three",
+               "--model", str(folder), "--raw", "--window", "4", "--max-new-tokens", "8"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    assert done.stderr.count("Error: the model's generation config sets num_beams=2") == 2, done.stderr[-3000:]
+    assert "exitcode  : 2" in done.stderr and "lookahead/parallel.py" not in done.stderr  # no traceback of ours
 
 
 @pytest.mark.slow

@@ -198,9 +198,12 @@ def generate_command(
     except ValueError as error:
         _fail(str(error))
     if workers > 1 or launched > 1:
-        if getattr(lm.generation_config, "stop_strings", None):  # one process would stop at them; K would not
-            _fail(f"the model's generation config sets stop_strings ({lm.generation_config.stop_strings!r}), which "
-                  "the processes of lookahead parallelism do not apply: run in one process")
+        from .parallel import check_one_process_settings
+
+        try:  # before any worker starts
+            check_one_process_settings(lm)
+        except ValueError as error:
+            _fail(str(error))
         call = {"input_ids": input_ids, "max_new_tokens": max_new_tokens, "config": config, **sampling, "seed": seed}
         if launched > 1:
             out = _torchrun_rank(lm, call)
@@ -341,6 +344,8 @@ def _torchrun_rank(lm, call: dict):
         dist.init_process_group("nccl" if lm.device.type == "cuda" else "gloo", timeout=DEFAULT_TIMEOUT)
     try:
         out = parallel_generate(lm, **call)
+    except ValueError as error:  # every rank finds it: each says it in one line, as one process would
+        _fail(str(error))
     finally:
         dist.destroy_process_group()
     return out if int(os.environ.get("RANK", "0")) == 0 else None

@@ -15,10 +15,14 @@ Launch: `torchrun --nproc-per-node K -m lookahead generate ...`, `lookahead gene
 from __future__ import annotations
 
 import hashlib
+import numbers
 import os
 import pickle
+import shutil
 import signal
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -51,7 +55,7 @@ def parallel_generate(
     config: LookaheadConfig | None = None,
     eos_token_id: int | Iterable[int] | None = None,
     group: dist.ProcessGroup | None = None,
-    do_sample: bool = False,
+    do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -62,7 +66,7 @@ def parallel_generate(
     default group). Call it on every rank with the same model, prompt and options; every rank returns the
     same output: greedy, token for token transformers' greedy `generate`; sampled (options as in
     `generate`), token for token what `generate(..., generator=torch.Generator().manual_seed(seed))` draws
-    in one process.
+    in one process. do_sample None: the model's generation config's, as in `generate`.
 
     config: a fixed step (W, N, G); None means `LookaheadConfig()` (W5 N4 G5). A budgeted config is
     refused: its step sizes follow one device's measured cost curve, which the ranks need not share."""
@@ -75,7 +79,10 @@ def parallel_generate(
     if config.budget:
         raise ValueError("parallel decoding takes a fixed step (LookaheadConfig with budget=False): a budgeted "
                          "step follows one device's cost curve")
+    check_one_process_settings(model)
     prompt = check_request(model, input_ids, max_new_tokens)
+    if do_sample is None:
+        do_sample = bool(getattr(model.generation_config, "do_sample", False))
     rank, workers = dist.get_rank(group), dist.get_world_size(group)
     device = model.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     stops = eos_ids(model, eos_token_id)
@@ -135,6 +142,17 @@ def parallel_generate(
     return GenerateOutput(sequences, stats)
 
 
+def check_one_process_settings(model: PreTrainedModel) -> None:
+    """Raise where the model's generation config sets what only one process applies: stop strings and max_time,
+    which stop `generate` at a point that the processes, each stepping on its own clock and without the
+    tokenizer, would not agree on."""
+    settings = model.generation_config
+    for name in ("stop_strings", "max_time"):
+        if getattr(settings, name, None) is not None:
+            raise ValueError(f"the model's generation config sets {name}={getattr(settings, name)!r}, which the "
+                             "processes of lookahead parallelism do not apply: decode in one process, or unset it")
+
+
 def _check_same_call(group, device: torch.device, *arguments) -> None:
     """Raise on every rank if the ranks were not given the same prompt and options (they would decode
     different steps and wait on each other)."""
@@ -154,14 +172,23 @@ class WorkerError(RuntimeError):
 
 
 def run_workers(workers: int, target: Callable[..., object], *args, threads: int | None = None,
-                timeout: timedelta = DEFAULT_TIMEOUT) -> object:
+                timeout: timedelta | float = DEFAULT_TIMEOUT) -> object:
     """Runs `target(*args)` in `workers` local processes joined in a gloo process group (each with
     `threads` torch threads; default: the cores shared out) and returns rank 0's result. `target` must be
     importable by name (a module-level function). If a process fails, the others are stopped at once and
     WorkerError names the one that failed first and why (not the others, whose collectives failed on
-    losing it); a collective waits at most `timeout` for a process that hangs."""
+    losing it); a collective waits at most `timeout` (a timedelta, or seconds) for a process that hangs. Workers
+    whose caller is gone (killed by a signal that ran no clean-up) stop within a second."""
     workers = checked_int("workers", workers, 1)
-    threads = threads or max(1, (os.cpu_count() or 1) // workers)
+    threads = max(1, (os.cpu_count() or 1) // workers) if threads is None else checked_int("threads", threads, 1)
+    if not isinstance(timeout, timedelta):
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
+            raise ValueError(f"timeout must be a timedelta or a number of seconds > 0, got {timeout!r}")
+        timeout = timedelta(seconds=float(timeout))
+    main = sys.modules.get("__main__")
+    if getattr(target, "__module__", None) == "__main__" and getattr(main, "__file__", None) is None:
+        raise ValueError(f"target {getattr(target, '__qualname__', target)!r} is defined in an interactive session "
+                         "or `python -c`: the workers cannot import it by name; define it in a module or a script")
     # Workers fork from a server process that imported torch and transformers once (kept for later calls),
     # instead of each importing them afresh: 5-10 s per worker on 2 CPU cores, several at once. They are
     # given the caller's environment as it is now, not the server's from when it started.
@@ -174,7 +201,7 @@ def run_workers(workers: int, target: Callable[..., object], *args, threads: int
     # test processes, say) could pick the same port between its probe and its use, and one group's worker then
     # joined the other's (a fresh-clone CI run, session 28: "Connection closed by peer", a worker exiting).
     with tempfile.TemporaryDirectory(prefix="lookahead-workers-") as rendezvous:
-        context = mp.start_processes(_worker, (workers, f"file://{rendezvous}/store", threads, timeout, dict(os.environ),
+        context = mp.start_processes(_worker, (workers, rendezvous, threads, timeout, dict(os.environ), os.getpid(),
                                                messages, target, args),
                                      nprocs=workers, join=False, start_method=method)
         received: list[tuple[str, object]] = []
@@ -235,13 +262,30 @@ def _first_failure(processes, received: list[tuple[str, object]], workers: int) 
     return f"a worker of {workers} failed without a message"
 
 
+def _leave_with(caller: int, rendezvous: str, rank: int) -> None:
+    """Ends this worker once the process that started it is gone: one killed by a signal that ran no clean-up
+    (SIGTERM, SIGKILL) stops none of its workers, which would decode on, or wait in a collective until the
+    time-out, and leave the rendezvous folder behind (rank 0 removes it)."""
+    while True:
+        time.sleep(0.5)
+        try:
+            os.kill(caller, 0)
+        except ProcessLookupError:
+            if rank == 0:
+                shutil.rmtree(rendezvous, ignore_errors=True)
+            os._exit(1)
+        except PermissionError:  # alive, as another user (a reused pid): keep watching
+            pass
+
+
 def _worker(rank: int, workers: int, rendezvous: str, threads: int, timeout: timedelta, environment: dict[str, str],
-            messages, target, args) -> None:
+            caller: int, messages, target, args) -> None:
     os.environ.clear()
     os.environ.update(environment)
-    torch.set_num_threads(threads)
+    threading.Thread(target=_leave_with, args=(caller, rendezvous, rank), daemon=True).start()
     try:
-        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=workers, timeout=timeout)
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/store", rank=rank, world_size=workers, timeout=timeout)
         # Every worker connected before any goes on: a worker's side of the mesh can be up while another's is
         # still connecting, and a target without collectives could then end and close it under that one
         # ("connectFullMesh failed: Connection closed by peer": 2 of 60 calls on a busy machine, none of 120 after).
