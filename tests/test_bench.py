@@ -14,7 +14,7 @@ from conftest import run_cli as run
 
 from lookahead.bench import batch
 from lookahead.bench import serve as bench_serve
-from lookahead.bench.report import divergence_table, summary_table
+from lookahead.bench.report import divergence_table, summary_table, write_benchmark
 from lookahead.bench.runner import Run, TieMeter, summarize
 from lookahead.bench.serve import LoadRun, load_table
 from lookahead.config import PLAIN_CONFIG
@@ -310,6 +310,9 @@ def test_serve_rounds_alternate_the_modes_each_run_with_a_key_of_its_own(monkeyp
     ('{"turns": "hello world"}\n', "'turns' must be a non-empty list"),  # had run on the prompt "h"
     ("\n", "holds no prompt"),
     ("{oops\n", "not JSON"),
+    ('{"prompt": "a", "id": "q"}\n{"prompt": "b", "id": "q"}\n', "prompts.jsonl:2: id 'q' is line 1's too"),
+    ('{"prompt": "a", "id": "1"}\n{"prompt": "b"}\n', "id '1' is line 1's too"),  # the second's index
+    ('{"prompt": "a", "category": "all"}\n', "the category 'all' names the row of every prompt"),
 ])
 def test_a_jsonl_dataset_that_is_not_one_prompt_object_a_line_is_refused(tmp_path, content, message):
     dataset = tmp_path / "prompts.jsonl"
@@ -419,6 +422,23 @@ def test_compiled_methods_are_compared_with_compiled_plain_and_reports_name_thei
     assert rows["lookahead-auto-compiled"].speedup_vs_plain == pytest.approx(2.0)  # not 4x: compiled plain took 2 s
     assert rows["lookahead-auto-compiled"].speedup_total == pytest.approx(8.0)
     assert "speedup vs sample (total)" in summary_table(list(rows.values()), "sample")
+
+
+def test_speedups_compare_times_per_new_token_where_outputs_end_apart():
+    """Samples end at different lengths: a method whose output ended sooner is no faster for it."""
+    runs = [Run(prompt, "c", 0, method, tokens, tokens, seconds, None, tokens, None, None)
+            for prompt, method, tokens, seconds in [("a", "sample", 20, 20.0), ("a", "lookahead-auto", 40, 20.0),
+                                                    ("b", "sample", 10, 10.0), ("b", "lookahead-auto", 5, 10.0)]]
+    row = next(r for r in summarize(runs, baseline="sample") if r.method == "lookahead-auto" and r.category == "all")
+    assert row.speedup_total == pytest.approx((30 / 30) / (30 / 45))  # 1 s a token against 0.67: not 30 s / 30 s
+    assert row.speedup_geomean == pytest.approx((2.0 * 0.5) ** 0.5)  # 2x on a, 0.5x on b
+
+
+def test_the_speedup_plot_is_left_out_without_a_baseline(tmp_path):
+    runs = [Run("a", "c", 0, method, 8, steps, 2.0, None, 8, None, None) for method, steps in [("plain", 8), ("x", 4)]]
+    written = write_benchmark(tmp_path, runs, summarize(runs), {}, "cmd")
+    assert not (tmp_path / "speedup.png").exists() and tmp_path / "speedup.png" not in written
+    assert "speedup.png" not in (tmp_path / "report.md").read_text() and (tmp_path / "tokens_per_step.png").exists()
 
 
 def test_the_load_table_says_when_every_request_without_lookahead_failed():

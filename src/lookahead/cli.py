@@ -246,10 +246,14 @@ def generate_command(
     stats = out.stats
     report: dict[str, object] = {"text": tokenizer.decode(new_ids, skip_special_tokens=True), **stats.as_dict()}
     if compare:
+        from .bench.runner import per_token_speedup
+
         baseline, baseline_seconds = theirs(max_new_tokens)
         report.update(
             baseline_seconds=baseline_seconds,
-            speedup=baseline_seconds / stats.seconds,
+            # per new token: two samples may end at different lengths
+            speedup=per_token_speedup(baseline_seconds, baseline.shape[1] - input_ids.shape[1], stats.seconds,
+                                      out.sequences.shape[1] - input_ids.shape[1]),
             # two samples are not comparable token for token; greedy outputs must be identical
             identical=None if sampling.get("do_sample") else torch.equal(baseline.cpu(), out.sequences),
         )

@@ -89,6 +89,7 @@ def load_workload(name: str, turns: int = 1, raw: bool = False) -> list[Prompt]:
         raise ValueError(f"dataset must be one of {BUILTIN} or a JSONL file, got {name!r}"
                          + (": no such file" if looks_like_a_file else ""))
     prompts = []
+    lines_of: dict[str, int] = {}  # id -> its line
     for index, line in enumerate(path.read_text().splitlines()):
         if not line.strip():
             continue
@@ -111,7 +112,15 @@ def load_workload(name: str, turns: int = 1, raw: bool = False) -> list[Prompt]:
             texts = (row["prompt"],)
         else:
             raise ValueError(f"{where}: each line needs a 'prompt' or 'turns' field")
-        prompts.append(Prompt(str(row.get("id", index)), str(row.get("category", path.stem)), texts, raw))
+        prompt = Prompt(str(row.get("id", index)), str(row.get("category", path.stem)), texts, raw)
+        # Reports pair each method's run with the baseline's by id, and sum every prompt in the category "all".
+        if prompt.id in lines_of:
+            raise ValueError(f"{where}: id {prompt.id!r} is line {lines_of[prompt.id]}'s too: each prompt needs "
+                             "an id of its own (a line without one takes its index from 0)")
+        if prompt.category == "all":
+            raise ValueError(f"{where}: the category 'all' names the row of every prompt in reports: name it otherwise")
+        lines_of[prompt.id] = index + 1
+        prompts.append(prompt)
     if not prompts:
         raise ValueError(f"{path} holds no prompt: one JSON object a line, with a 'prompt' or 'turns' field")
     return prompts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..core.suffix import Corpus
@@ -35,7 +36,7 @@ def corpus_runs(
         first = generate(model, first_ids, corpus=corpus, **greedy)
         shared = generate(model, second_ids, corpus=corpus, **greedy)
         alone = generate(model, second_ids, **greedy)
-        runs.append(CorpusRun(name, first.stats, alone.stats, shared.stats, bool((alone.sequences == shared.sequences).all())))
+        runs.append(CorpusRun(name, first.stats, alone.stats, shared.stats, torch.equal(alone.sequences, shared.sequences)))
     return runs
 
 

@@ -107,13 +107,15 @@ def _write_results(out: Path, title: str, command: str, env: dict, results: dict
 def write_benchmark(out: Path, runs: list[Run], rows: list[Summary], env: dict, command: str,
                     baseline: str = "greedy") -> list[Path]:
     results = {"summary": [r.as_dict() for r in rows], "runs": [{**asdict(r), "tokens_per_step": r.tokens_per_step} for r in runs]}
+    with_speedups = any(r.speedup_total is not None for r in rows)  # not without the baseline's runs
     body = (f"{summary_table(rows, baseline)}\n\n"
-            "Speedup (total) is the ratio of total times; geomean, the geometric mean of per-prompt ratios; "
+            "Speedup (total) is the ratio of total times per new token (of total times where the outputs are "
+            "identical); geomean, the geometric mean of per-prompt ratios; "
             "overhead, the share of our time spent outside the model's forward.\n\n"
             f"## Divergences\n\n{divergence_table(runs)}\n\n"
-            "![speedup](speedup.png)\n\n![tokens per step](tokens_per_step.png)\n")
-    return [*_write_results(out, "Benchmark", command, env, results, body),
-            _bars(out / "speedup.png", rows, "speedup_total", f"speedup vs {baseline}"),
+            + ("![speedup](speedup.png)\n\n" if with_speedups else "") + "![tokens per step](tokens_per_step.png)\n")
+    plots = [_bars(out / "speedup.png", rows, "speedup_total", f"speedup vs {baseline}")] if with_speedups else []
+    return [*_write_results(out, "Benchmark", command, env, results, body), *plots,
             _bars(out / "tokens_per_step.png", rows, "tokens_per_step", "tokens per step")]
 
 

@@ -224,8 +224,10 @@ class Summary:
     seconds: float
     tokens_per_step: float
     tokens_per_second: float
-    speedup_total: float | None  # the baseline's total time (transformers' generate) / this method's
-    speedup_geomean: float | None  # geometric mean of per-run ratios
+    # The baseline's (transformers' generate) total time per new token / this method's: the ratio of total times
+    # where both made the same tokens (greedy float32), and fair where lengths differ (samples end apart).
+    speedup_total: float | None
+    speedup_geomean: float | None  # geometric mean of per-run ratios (of times per new token)
     speedup_vs_plain: float | None  # against our own loop with lookahead off (compiled alike)
     identical_rate: float | None
     overhead_fraction: float | None  # share of the time outside the model's forward
@@ -234,12 +236,20 @@ class Summary:
         return asdict(self)
 
 
+def per_token_speedup(baseline_seconds: float, baseline_tokens: int, seconds: float, tokens: int) -> float:
+    """The baseline's time per new token over ours: a method whose output ended sooner gains nothing by it."""
+    return (baseline_seconds / max(baseline_tokens, 1)) / (seconds / max(tokens, 1))
+
+
 def _ratio_stats(mine: list[Run], baseline: dict[tuple, Run]) -> tuple[float | None, float | None]:
     pairs = [(baseline[(r.prompt_id, r.turn)], r) for r in mine if (r.prompt_id, r.turn) in baseline]
     if not pairs:
         return None, None
-    total = sum(b.seconds for b, _ in pairs) / sum(r.seconds for _, r in pairs)
-    geomean = math.exp(sum(math.log(b.seconds / r.seconds) for b, r in pairs) / len(pairs))
+    theirs, ours = [b for b, _ in pairs], [r for _, r in pairs]
+    total = per_token_speedup(sum(b.seconds for b in theirs), sum(b.new_tokens for b in theirs),
+                              sum(r.seconds for r in ours), sum(r.new_tokens for r in ours))
+    geomean = math.exp(sum(math.log(per_token_speedup(b.seconds, b.new_tokens, r.seconds, r.new_tokens))
+                           for b, r in pairs) / len(pairs))
     return total, geomean
 
 
