@@ -239,7 +239,7 @@ def test_batch_rounds_alternate_the_order_of_the_methods(monkeypatch):
     calls = []
 
     def transformers_batch(model, prompts, max_new_tokens):
-        calls.append("transformers")
+        calls.append("transformers" if max_new_tokens == 4 else f"transformers warm-up, {len(prompts)} prompts")
         return [[1, 2]] * len(prompts), 1.0, [1.0] * len(prompts)
 
     def engine(model, prompts, max_new_tokens, config, size, compile):
@@ -258,7 +258,7 @@ def test_batch_rounds_alternate_the_order_of_the_methods(monkeypatch):
     monkeypatch.setattr(batch, "Engine", NoEngine)
     runs = batch.batch_runs(None, [torch.tensor([1, 2, 3])] * 3, [2], 4, rounds=3)
     forward = ["transformers", "transformers", "plain", "lookahead"]  # transformers: 2 batches of at most 2
-    assert calls == forward + forward[::-1] + forward
+    assert calls == ["transformers warm-up, 2 prompts"] + forward + forward[::-1] + forward  # warm before timing
     by = {r.method: r for r in runs}
     assert by["plain"].sequences == 9 and by["plain"].new_tokens == 18 and by["plain"].seconds == 6.0
     assert by["transformers"].seconds == 6.0  # 2 batches of the 3 prompts a round

@@ -23,7 +23,7 @@ from lookahead.costs import CostCurve
 from lookahead.engine import Engine, RequestParams
 from lookahead.hf import COMPILED_HEIGHTS, HFModelRunner
 from lookahead.quant import quantise_weights
-from lookahead.runtime.batch import causal_step, pack_steps, pad_batch
+from lookahead.runtime.batch import StepInput, after_tokens, causal_step, pack_steps, pad_batch
 
 
 @settings(max_examples=100)  # each example runs three forwards
@@ -51,6 +51,34 @@ def test_padding_a_step_changes_no_logit(llama_tiny, seed, sizes, others, order)
     plain = runner.forward(stores[0], batch)
     padded = runner.forward(stores[1], pad_batch(batch, lengths, 8, 64, every))
     torch.testing.assert_close(padded[torch.tensor(slots)], plain, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_rows_stay_at_the_last_position_and_see_their_own_key_alone():
+    """A padding row repeats its sequence's last position (never past it: out of a model's context, or a longrope
+    model's scaling chosen from the largest position) and its own key has that position, inside any sliding
+    window; the rows pad_batch adds see that key alone."""
+    batch = pack_steps([0, 1], [4, 2], [causal_step(torch.tensor([5, 6, 7])), causal_step(torch.tensor([8]))])
+    assert batch.positions.tolist() == [[4, 5, 6], [2, 2, 2]]
+    padded = pad_batch(batch, [4, 2], 4, 10)
+    assert padded.positions.tolist() == [[4, 5, 6, 6], [2, 2, 2, 2]]
+    for b, (start, size) in enumerate(zip([4, 2], batch.sizes)):
+        for row in range(size, 4):
+            own = start + row
+            assert padded.visible[b, row, own] and padded.key_positions[b, own] == padded.positions[b, row]
+            if row >= batch.height:
+                assert padded.visible[b, row].nonzero().flatten().tolist() == [own]
+
+
+def test_tokens_put_before_a_step_form_a_causal_prefix_that_every_row_of_the_step_sees():
+    """Lookahead parallelism feeds the committed tokens a process has not computed in front of its step."""
+    step = StepInput(torch.tensor([7, 8, 9]), torch.tensor([0, 1, 1]),
+                     torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool), torch.tensor([1, 2]))
+    joined = after_tokens(torch.tensor([4, 5]), step)
+    assert joined.tokens.tolist() == [4, 5, 7, 8, 9] and joined.offsets.tolist() == [0, 1, 2, 3, 3]
+    assert joined.allowed.int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
+                                             [1, 1, 1, 0, 1]]
+    assert joined.logit_rows.tolist() == [3, 4]
+    assert after_tokens(torch.tensor([], dtype=torch.long), step) is step
 
 
 def test_pad_batch_refuses_a_shape_it_cannot_reach():

@@ -194,6 +194,19 @@ def test_store_writes_each_sequence_at_its_own_length(dtype, slots):
         assert torch.equal(read, expected[slots][:, :, :12])
 
 
+def test_the_store_takes_a_step_up_to_its_last_position_and_refuses_one_past_it():
+    """A row past a slot's capacity would land on the next head's first position (the heads of a slot are laid
+    out one after the other): refused, at the exact boundary."""
+    store = KVStore(num_layers=1, slots=2, capacity=8)
+    store.lengths = [6, 0]
+    cpu = torch.device("cpu")
+    store.begin([0, 1], rows=2, attend=8, device=cpu)  # positions 6 and 7 of slot 0: its last two
+    with pytest.raises(ValueError, match="capacity"):
+        store.begin([0, 1], rows=3, attend=8, device=cpu)
+    with pytest.raises(ValueError, match="capacity"):
+        store.begin([0, 1], rows=1, attend=9, device=cpu)
+
+
 @settings(max_examples=12, deadline=None)  # each example runs two forwards on a tiny model
 @given(seed=st.integers(0, 2**16), sizes=st.lists(st.integers(1, 9), min_size=2, max_size=5), order=st.randoms())
 def test_a_ragged_step_computes_what_the_padded_step_computes(tiny_model, seed, sizes, order):

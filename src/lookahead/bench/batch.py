@@ -96,6 +96,7 @@ def batch_runs(model: PreTrainedModel, prompts: Sequence[torch.Tensor], batch_si
     runs = []
     for size in batch_sizes:
         Engine(model, max_batch=size, compile=compile).warm_up()  # compiled: one slot is a shape apart from several
+        _transformers_batch(model, prompts[:size], 2)  # and transformers' at this size, as ours, before any timing
         decode = {"transformers": lambda: [(*_transformers_batch(model, prompts[i: i + size], max_new_tokens), None)
                                            for i in range(0, len(prompts), size)],
                   "plain": lambda: [_engine(model, prompts, max_new_tokens, PLAIN_CONFIG, size, compile)],
