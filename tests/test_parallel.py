@@ -212,12 +212,16 @@ def _misuse(case: str) -> None:
         parallel_generate(model, PROMPT, 8, LookaheadConfig(budget=True))
     if case == "prompts":
         parallel_generate(model, PROMPT[: 5 + dist.get_rank()], 8)
+    if case == "generation configs":  # rank 1 would suppress a token that rank 0 may pick
+        model.generation_config.suppress_tokens = [7] * dist.get_rank() or None
+        parallel_generate(model, PROMPT, 8)
     if case in ("stop_strings", "max_time"):  # what one process applies (with the tokenizer, on its clock)
         setattr(model.generation_config, case, "x" if case == "stop_strings" else 1e-4)
         parallel_generate(model, PROMPT, 8)
 
 
 @pytest.mark.parametrize("case, words", [("budget", "fixed step"), ("prompts", "different prompts"),
+                                         ("generation configs", "options or generation configs"),
                                          ("stop_strings", "sets stop_strings='x'"), ("max_time", "sets max_time=0.0001")])
 def test_misuse_is_refused_on_every_rank(case, words):
     with pytest.raises(WorkerError, match=words):

@@ -90,7 +90,8 @@ def parallel_generate(
                               torch.Generator().manual_seed(seed))
     rule = decoding_rule(model, options, prompt, max_new_tokens, stops)
     _check_same_call(group, device, prompt, max_new_tokens, config, sorted(stops),
-                     [do_sample, temperature, top_k, top_p, repetition_penalty, seed])
+                     [do_sample, temperature, top_k, top_p, repetition_penalty, seed],
+                     model.generation_config.to_json_string(use_diff=False))  # its processors apply on each rank
 
     start = time.perf_counter()
     runner = HFModelRunner(model, packed_linear=False)
@@ -154,8 +155,8 @@ def check_one_process_settings(model: PreTrainedModel) -> None:
 
 
 def _check_same_call(group, device: torch.device, *arguments) -> None:
-    """Raise on every rank if the ranks were not given the same prompt and options (they would decode
-    different steps and wait on each other)."""
+    """Raise on every rank if the ranks were not given the same prompt and options, the model's generation config
+    among them (they would decode different steps and wait on each other)."""
     digest = hashlib.blake2b(repr([a.tolist() if isinstance(a, torch.Tensor) else a for a in arguments]).encode(),
                              digest_size=7).digest()
     mine = torch.tensor([int.from_bytes(digest, "big")], dtype=torch.long, device=device)
@@ -163,8 +164,8 @@ def _check_same_call(group, device: torch.device, *arguments) -> None:
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
     if int(lowest) != int(highest):
-        raise ValueError("the ranks were given different prompts or options; parallel_generate needs the same "
-                         "call on every rank")
+        raise ValueError("the ranks were given different prompts, options or generation configs; parallel_generate "
+                         "needs the same call on every rank")
 
 
 class WorkerError(RuntimeError):
