@@ -271,12 +271,10 @@ def _leave_with(caller: int, rendezvous: str, rank: int) -> None:
         time.sleep(0.5)
         try:
             os.kill(caller, 0)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # gone (a pid of another user's is no longer the caller)
             if rank == 0:
                 shutil.rmtree(rendezvous, ignore_errors=True)
             os._exit(1)
-        except PermissionError:  # alive, as another user (a reused pid): keep watching
-            pass
 
 
 def _worker(rank: int, workers: int, rendezvous: str, threads: int, timeout: timedelta, environment: dict[str, str],
