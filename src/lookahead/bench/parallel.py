@@ -39,12 +39,13 @@ class ParallelRun:
 
 def _decode_all(model: str | None, gguf_file: str | None, dtype: str, prompts: list[list[int]],
                 max_new_tokens: int, config: LookaheadConfig) -> list[tuple[list[int], int, float, int]]:
-    """One worker's part: each prompt's new tokens, steps, seconds and rows fed (after one warm-up)."""
+    """One worker's part: each prompt's new tokens, steps, seconds and rows fed (after one warm-up), greedy
+    whatever the generation config says (the outputs are compared token for token)."""
     lm, _ = load_model(model, gguf_file=gguf_file, dtype=dtype)
-    parallel_generate(lm, prompts[0], 4, config)
+    parallel_generate(lm, prompts[0], 4, config, do_sample=False)
     results = []
     for prompt in prompts:
-        out = parallel_generate(lm, prompt, max_new_tokens, config)
+        out = parallel_generate(lm, prompt, max_new_tokens, config, do_sample=False)
         results.append((out.sequences[0, len(prompt):].tolist(), out.stats.steps, out.stats.seconds,
                         out.stats.tokens_fed))
     return results
