@@ -473,7 +473,16 @@ def test_numpy_and_tensor_integers_are_taken_as_ints_everywhere_and_bools_and_fl
     errors: dict[int, Exception] = {}
     _run(engine, {rid: prompt}, outputs, errors)
     assert errors == {} and outputs[rid] == expected
-    for bad in (True, np.True_, torch.tensor(True), 2.0, torch.tensor(2.0), "2"):
+    sampled = [generate(llama_tiny, prompt, max_new_tokens=8, do_sample=True, top_k=k, eos_token_id=[],
+                        generator=torch.Generator().manual_seed(3)).sequences for k in (5, np.int64(5), torch.tensor(5))]
+    assert torch.equal(sampled[0], sampled[1]) and torch.equal(sampled[0], sampled[2])
+
+    class FailingIndex:
+        def __index__(self):
+            raise OverflowError("no")
+
+    for bad in (True, np.True_, torch.tensor(True), 2.0, torch.tensor(2.0), "2", FailingIndex(),
+                torch.tensor(3, device="meta")):
         with pytest.raises(ValueError, match=r"max_batch must be an integer >= 1, got"):
             Engine(llama_tiny, max_batch=bad)
         with pytest.raises(ValueError, match=r"LookaheadConfig.window must be an integer >= 0"):

@@ -178,6 +178,16 @@ def _corpus_beyond_the_vocabulary() -> Corpus:
     return corpus
 
 
+@pytest.mark.parametrize("pad", [True, 2.7])
+def test_a_generation_configs_pad_token_that_is_no_token_id_is_refused(llama_tiny, pad):
+    """It was taken as int(pad): True padded with 1, 2.7 with 2."""
+    from transformers import GenerationConfig
+
+    with pytest.raises(ValueError, match=rf"the model's pad token \(generation config\) must be a token id \(an integer "
+                                         rf">= 0\) or None, got {pad}"):
+        generate(llama_tiny, [[5, 6, 7], [8, 9]], max_new_tokens=2, generation_config=GenerationConfig(pad_token_id=pad))
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [

@@ -241,6 +241,20 @@ def test_do_sample_unset_is_the_generation_configs_as_in_generate():
     assert default == sampled and default != greedy
 
 
+def _with_a_numpy_stop_token() -> list[int]:
+    import numpy as np
+
+    model = make_tiny_model("llama")
+    model.generation_config.eos_token_id = np.int64(PROMPT[3])  # no JSON for it: the ranks compare it all the same
+    return parallel_generate(model, PROMPT, 16, LookaheadConfig(4, 3, 4)).sequences[0].tolist()
+
+
+def test_a_generation_config_with_numpy_values_is_compared_across_ranks():
+    model = make_tiny_model("llama")
+    expected = reference_greedy(model, torch.tensor([PROMPT]), 16, eos_token_id=[PROMPT[3]])[0].tolist()
+    assert run_workers(2, _with_a_numpy_stop_token, threads=1) == expected
+
+
 def test_bad_run_workers_arguments_are_refused_before_any_worker_starts(monkeypatch):
     import types
 
@@ -253,8 +267,8 @@ def test_bad_run_workers_arguments_are_refused_before_any_worker_starts(monkeypa
     for threads in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=r"threads must be an integer >= 1, got"):
             run_workers(2, _environment_variable, "X", threads=threads)
-    for timeout in ("5", -1, 0, float("inf"), True):
-        with pytest.raises(ValueError, match=r"timeout must be a timedelta or a number of seconds > 0, got"):
+    for timeout in ("5", -1, 0, float("inf"), 1e15, True):
+        with pytest.raises(ValueError, match=r"timeout must be a timedelta or a number of seconds in \(0, 1e9\], got"):
             run_workers(2, _environment_variable, "X", timeout=timeout)
 
     def typed_in_a_session() -> None: ...
@@ -285,7 +299,8 @@ if __name__ == "__main__":
 
 def test_workers_stop_when_their_caller_is_killed(tmp_path):
     """A caller killed by a signal that runs no clean-up of its own (SIGTERM's default, as SIGKILL): its workers
-    stop within a second or so, and the rendezvous folder goes with them."""
+    stop within a second or so, and the rendezvous folder goes with them, before the caller is reaped (a zombie's
+    pid still answers)."""
     marks, scratch = tmp_path / "marks", tmp_path / "tmp"
     marks.mkdir()
     scratch.mkdir()
@@ -299,12 +314,12 @@ def test_workers_stop_when_their_caller_is_killed(tmp_path):
         pids = [int(path.name) for path in marks.iterdir()]
         assert len(pids) == 2 and list(scratch.glob("lookahead-workers-*"))
         caller.send_signal(signal.SIGTERM)
-        caller.wait(timeout=30)
         deadline = time.monotonic() + 15
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(pid) for pid in pids)
+        assert not any(_alive(pid) for pid in pids) and _alive(caller.pid)  # a zombie until this test reaps it
         assert not list(scratch.glob("lookahead-workers-*"))
+        caller.wait(timeout=30)
     finally:
         caller.kill()
         for pid in [int(path.name) for path in marks.iterdir()]:

@@ -777,7 +777,7 @@ def pad_id(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None = No
     if pad is None:
         stops = eos_ids(model, eos_token_id, config)
         pad = stops[0] if stops else 0
-    return int(pad)
+    return checked_int("the model's pad token (generation config)", pad, 0, allowed="a token id (an integer >= 0) or None")
 
 
 class _Laps:

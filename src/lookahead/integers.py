@@ -7,12 +7,13 @@ import operator
 
 
 def integer(value: object) -> int | None:
-    """`value` as a Python int where it is an integer, else None."""
-    if isinstance(value, bool) or str(getattr(value, "dtype", "")).endswith("bool"):
-        return None
+    """`value` as a Python int where it is an integer, else None (whatever it raises when asked: a tensor on the
+    meta device, an `__index__` of its own that fails)."""
     try:
+        if isinstance(value, bool) or str(getattr(value, "dtype", "")).endswith("bool"):
+            return None
         return operator.index(value)
-    except TypeError:
+    except Exception:  # noqa: BLE001 - not an integer we can take, whatever the reason
         return None
 
 

@@ -79,19 +79,20 @@ def parallel_generate(
     if config.budget:
         raise ValueError("parallel decoding takes a fixed step (LookaheadConfig with budget=False): a budgeted "
                          "step follows one device's cost curve")
-    check_one_process_settings(model)
     prompt = check_request(model, input_ids, max_new_tokens)
     if do_sample is None:
         do_sample = bool(getattr(model.generation_config, "do_sample", False))
     rank, workers = dist.get_rank(group), dist.get_world_size(group)
     device = model.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     stops = eos_ids(model, eos_token_id)
+    # Before any check that reads the generation config: were the ranks' to differ, one rank alone would refuse.
+    _check_same_call(group, device, prompt, max_new_tokens, config, sorted(map(int, stops)),
+                     [do_sample, temperature, top_k, top_p, repetition_penalty, seed],
+                     sorted(model.generation_config.to_dict().items()))  # its processors apply on each rank
+    check_one_process_settings(model)
     options = DecodingOptions(do_sample, temperature, top_k, top_p, repetition_penalty, None,
                               torch.Generator().manual_seed(seed))
     rule = decoding_rule(model, options, prompt, max_new_tokens, stops)
-    _check_same_call(group, device, prompt, max_new_tokens, config, sorted(stops),
-                     [do_sample, temperature, top_k, top_p, repetition_penalty, seed],
-                     model.generation_config.to_json_string(use_diff=False))  # its processors apply on each rank
 
     start = time.perf_counter()
     runner = HFModelRunner(model, packed_linear=False)
@@ -183,8 +184,8 @@ def run_workers(workers: int, target: Callable[..., object], *args, threads: int
     workers = checked_int("workers", workers, 1)
     threads = max(1, (os.cpu_count() or 1) // workers) if threads is None else checked_int("threads", threads, 1)
     if not isinstance(timeout, timedelta):
-        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
-            raise ValueError(f"timeout must be a timedelta or a number of seconds > 0, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout <= 1e9:
+            raise ValueError(f"timeout must be a timedelta or a number of seconds in (0, 1e9], got {timeout!r}")
         timeout = timedelta(seconds=float(timeout))
     main = sys.modules.get("__main__")
     if getattr(target, "__module__", None) == "__main__" and getattr(main, "__file__", None) is None:
@@ -198,11 +199,15 @@ def run_workers(workers: int, target: Callable[..., object], *args, threads: int
     if method == "forkserver":
         processes.set_forkserver_preload(["torch", "transformers", __name__])
     messages = processes.SimpleQueue()
+    # A pipe that nothing is sent through: the workers read its end until the caller's end closes, which the
+    # kernel does when the caller dies, however (a signal that runs no clean-up; reaped or not, pid reused or not).
+    watched, caller_end = processes.Pipe(duplex=False)
     # The workers meet through a file of their own, not a TCP port picked free beforehand: two calls at once (two
     # test processes, say) could pick the same port between its probe and its use, and one group's worker then
     # joined the other's (a fresh-clone CI run, session 28: "Connection closed by peer", a worker exiting).
-    with tempfile.TemporaryDirectory(prefix="lookahead-workers-") as rendezvous:
-        context = mp.start_processes(_worker, (workers, rendezvous, threads, timeout, dict(os.environ), os.getpid(),
+    # (A worker whose caller's end closed removes it too: whichever comes second finds nothing left to remove.)
+    with tempfile.TemporaryDirectory(prefix="lookahead-workers-", ignore_cleanup_errors=True) as rendezvous:
+        context = mp.start_processes(_worker, (workers, rendezvous, threads, timeout, dict(os.environ), watched,
                                                messages, target, args),
                                      nprocs=workers, join=False, start_method=method)
         received: list[tuple[str, object]] = []
@@ -222,6 +227,9 @@ def run_workers(workers: int, target: Callable[..., object], *args, threads: int
         except BaseException:  # the caller interrupted (Ctrl-C, a signal's exception): its workers stop too
             _stop(context.processes)
             raise
+        finally:
+            watched.close()
+            caller_end.close()
         drain()
     return pickle.loads(next(payload for kind, payload in received if kind == "result"))
 
@@ -263,25 +271,25 @@ def _first_failure(processes, received: list[tuple[str, object]], workers: int) 
     return f"a worker of {workers} failed without a message"
 
 
-def _leave_with(caller: int, rendezvous: str, rank: int) -> None:
-    """Ends this worker once the process that started it is gone: one killed by a signal that ran no clean-up
-    (SIGTERM, SIGKILL) stops none of its workers, which would decode on, or wait in a collective until the
-    time-out, and leave the rendezvous folder behind (rank 0 removes it)."""
-    while True:
-        time.sleep(0.5)
-        try:
-            os.kill(caller, 0)
-        except (ProcessLookupError, PermissionError):  # gone (a pid of another user's is no longer the caller)
-            if rank == 0:
-                shutil.rmtree(rendezvous, ignore_errors=True)
-            os._exit(1)
+def _leave_with(watched, rendezvous: str, rank: int) -> None:
+    """Ends this worker once the process that started it is gone (`watched`: the end of a pipe whose other end
+    only the caller holds): one killed by a signal that ran no clean-up (SIGTERM, SIGKILL) stops none of its
+    workers, which would decode on, or wait in a collective until the time-out, and leave the rendezvous folder
+    behind (rank 0 removes it)."""
+    try:
+        watched.recv()  # nothing is ever sent: this ends when the caller's end closes
+    except (EOFError, OSError):
+        pass
+    if rank == 0:
+        shutil.rmtree(rendezvous, ignore_errors=True)
+    os._exit(1)
 
 
 def _worker(rank: int, workers: int, rendezvous: str, threads: int, timeout: timedelta, environment: dict[str, str],
-            caller: int, messages, target, args) -> None:
+            watched, messages, target, args) -> None:
     os.environ.clear()
     os.environ.update(environment)
-    threading.Thread(target=_leave_with, args=(caller, rendezvous, rank), daemon=True).start()
+    threading.Thread(target=_leave_with, args=(watched, rendezvous, rank), daemon=True).start()
     try:
         torch.set_num_threads(threads)
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}/store", rank=rank, world_size=workers, timeout=timeout)

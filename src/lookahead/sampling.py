@@ -42,7 +42,7 @@ from transformers.generation.logits_process import TopHLogitsWarper
 
 from .core.decoder import LogitsTransform
 from .core.verify import ChooseRule, gumbel_noise, sample_choice
-from .integers import checked_int
+from .integers import checked_int, integer
 
 # What `generate` uses when neither the call nor the model's generation config sets a value.
 GENERATE_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
@@ -135,7 +135,7 @@ def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt: torc
             processors.append(TopHLogitsWarper(config.top_h))
         k = resolved("top_k", options.top_k)
         if k:
-            processors.append(TopKLogitsWarper(k))
+            processors.append(TopKLogitsWarper(integer(k)))  # it takes a Python int alone
         p = resolved("top_p", options.top_p)
         if p < 1.0:
             processors.append(TopPLogitsWarper(p))
