@@ -367,6 +367,7 @@ def test_bench_serve_names_a_server_it_cannot_reach_or_that_refuses(tiny_dir):
     assert result.returncode == 2 and "--rounds" in result.stderr and "same key" in result.stderr
 
 
+@pytest.mark.slow  # 20-70 s of a subprocess: the full tier's
 def test_the_gpu_check_runs_through_on_tiny_shapes(tmp_path):
     """scripts/gpu_check.sh runs only when a GPU is lent, rarely: its dry run keeps it from rotting. On a
     CPU it checks exactness and measures both eager cost curves; the CUDA-graph mode is skipped there."""
