@@ -491,6 +491,15 @@ def test_numpy_and_tensor_integers_are_taken_as_ints_everywhere_and_bools_and_fl
             engine.add_request(prompt, RequestParams(max_new_tokens=bad))
 
 
+def test_a_freed_slot_takes_the_highest_request_even_from_the_slot_above_it(llama_tiny):
+    """Decoding requests keep to the first slots (the store reads them without gathering)."""
+    engine = Engine(llama_tiny, max_batch=3, max_length=64)
+    ids = [engine.add_request(random_prompt(6, seed)[0], RequestParams(max_new_tokens=8)) for seed in range(3)]
+    engine.step()
+    assert engine.abort(ids[1])
+    assert [r.id if r else None for r in engine._slots] == [ids[0], ids[2], None] and engine._slots[1].slot == 1
+
+
 class CallsEngine:
     """A stopping criterion that calls `action(engine)` at its `when`-th call, and stops nothing."""
 

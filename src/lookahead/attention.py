@@ -228,19 +228,19 @@ def stacked_heads(model: PreTrainedModel) -> Iterator[None]:
             config._attn_implementation = NAME
         if entry is not None:
             entry[1] += 1
-    if entry is None:
-        yield
-        return
+    # (entry None: the model was loaded on our function itself, and stays so; our forwards are ours all the same:
+    # their ragged rows need it.)
     try:
         with _on_this_thread("ours", True):
             yield
     finally:
         _MASKS.clear()
-        with _SWITCH:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del _SWITCHED[id(config)]
-                config._attn_implementation = "sdpa"
+        if entry is not None:
+            with _SWITCH:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _SWITCHED[id(config)]
+                    config._attn_implementation = "sdpa"
 
 
 _SWITCH = threading.Lock()
