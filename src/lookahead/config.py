@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .integers import checked_int
+from .arguments import checked_int
 
 # The window's rows with the last token are at most this: at most half of a step, drafts the rest.
 WINDOW_ROWS_BELOW = 128

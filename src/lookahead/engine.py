@@ -30,7 +30,7 @@ from .core.prices import StepPrices
 from .core.suffix import Corpus
 from .costs import CostCurve, batch_cost_curve
 from .hf import HFModelRunner, available_memory, check_model, context_length, is_sharded, vocabulary_size
-from .integers import checked_int
+from .arguments import checked_int
 from .runtime.batch import StepInput, causal_step, pack_steps
 from .sampling import DecodingOptions, check_decoding_options, decoding_rule, list_of, type_names, with_model_defaults
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -18,7 +17,7 @@ from .core.suffix import Corpus
 from .engine import (Engine, GenerateOutput, GenerationStats, RequestParams, as_token_tensor, check_params,
                      check_request, eos_ids, StoppingCriterion, pad_id, stop_token_list)
 from .hf import check_model
-from .integers import checked_int, integer
+from .arguments import checked_int, checked_number, integer
 from .sampling import (check_generation_config, merged_by_type, unsupported_option, unsupported_search,
                        with_model_defaults)
 
@@ -127,9 +126,8 @@ def generate(
                            output_scores, output_logits, None if settings is model.generation_config else settings,
                            prefix_allowed_tokens_fn)
     check_params(model, params)
-    given = "pad_token_id" if pad_token_id is not None else "the model's pad token (generation config)"
-    pad = checked_int(given, pad_id(model, eos_token_id, settings) if pad_token_id is None else pad_token_id, 0,
-                      allowed="a token id (an integer >= 0) or None")
+    pad = pad_id(model, eos_token_id, settings) if pad_token_id is None else checked_int(
+        "pad_token_id", pad_token_id, 0, allowed="a token id (an integer >= 0) or None")  # pad_id checks its own
     checked = [check_request(model, prompt, max_new_tokens) for prompt in prompts]
     if len(checked) > 1 and streamer is not None:
         raise ValueError("streamer takes one sequence: pass one prompt, or no streamer")
@@ -244,8 +242,7 @@ def _stopping_criteria(settings: GenerationConfig, stop_strings: str | Sequence[
     built = []
     max_time = getattr(settings, "max_time", None)
     if max_time is not None:
-        if isinstance(max_time, bool) or not isinstance(max_time, numbers.Real) or max_time <= 0:
-            raise ValueError(f"max_time must be a number of seconds > 0, got {max_time!r}")
+        checked_number("max_time", max_time, lambda v: v > 0, "a number of seconds > 0")
         built.append(MaxTimeCriteria(max_time))
     if stop_strings is None:
         stop_strings = getattr(settings, "stop_strings", None)
@@ -316,10 +313,11 @@ def _new_tokens(config: GenerationConfig, max_new_tokens: int | None, width: int
     length = getattr(config, "max_length", None)
     if length is None:
         return DEFAULT_NEW_TOKENS
-    if integer(length) is None or integer(length) <= width:
+    positions = integer(length)
+    if positions is None or positions <= width:
         raise ValueError(f"max_new_tokens is unset and the generation config sets max_length={length!r}, "
                          f"which leaves no room after the input's {width} positions: pass max_new_tokens")
-    return length - width
+    return positions - width
 
 
 def _check_callers_objects(streamer, packed_linear) -> None:

@@ -15,7 +15,6 @@ Launch: `torchrun --nproc-per-node K -m lookahead generate ...`, `lookahead gene
 from __future__ import annotations
 
 import hashlib
-import numbers
 import os
 import pickle
 import shutil
@@ -40,7 +39,7 @@ from .core.drafter import node_counts
 from .core.split import split_step
 from .engine import STEP_ROOM, GenerateOutput, GenerationStats, check_request, eos_ids, kept_tokens
 from .hf import HFModelRunner, context_length
-from .integers import checked_int
+from .arguments import checked_int, checked_number
 from .runtime.batch import StepInput, after_tokens, causal_step, pack_steps
 from .sampling import DecodingOptions, decoding_rule
 
@@ -184,8 +183,7 @@ def run_workers(workers: int, target: Callable[..., object], *args, threads: int
     workers = checked_int("workers", workers, 1)
     threads = max(1, (os.cpu_count() or 1) // workers) if threads is None else checked_int("threads", threads, 1)
     if not isinstance(timeout, timedelta):
-        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout <= 1e9:
-            raise ValueError(f"timeout must be a timedelta or a number of seconds in (0, 1e9], got {timeout!r}")
+        checked_number("timeout", timeout, lambda v: 0 < v <= 1e9, "a timedelta or a number of seconds in (0, 1e9]")
         timeout = timedelta(seconds=float(timeout))
     main = sys.modules.get("__main__")
     if getattr(target, "__module__", None) == "__main__" and getattr(main, "__file__", None) is None:

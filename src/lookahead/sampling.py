@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -42,7 +41,7 @@ from transformers.generation.logits_process import TopHLogitsWarper
 
 from .core.decoder import LogitsTransform
 from .core.verify import ChooseRule, gumbel_noise, sample_choice
-from .integers import checked_int, integer
+from .arguments import checked_int, checked_number, integer
 
 # What `generate` uses when neither the call nor the model's generation config sets a value.
 GENERATE_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
@@ -172,9 +171,11 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
     check_generation_config(options.generation_config)  # first: a request's do_sample unset is read from it
     if not isinstance(options.do_sample, bool):
         raise ValueError(f"do_sample must be a bool, got {options.do_sample!r}")
-    _check_number("temperature", options.temperature, lambda v: v >= 0, "a number >= 0 (0 means greedy)")
-    _check_number("top_p", options.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")
-    _check_number("repetition_penalty", options.repetition_penalty, lambda v: v > 0, "a number > 0")
+    for name, valid, allowed in (("temperature", lambda v: v >= 0, "a number >= 0 (0 means greedy)"),
+                                 ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+                                 ("repetition_penalty", lambda v: v > 0, "a number > 0")):
+        if getattr(options, name) is not None:  # None: the generation config's
+            checked_number(name, getattr(options, name), valid, allowed)
     top_k = options.top_k
     if top_k is not None:
         checked_int("top_k", top_k, 0, allowed="an integer >= 0 (0 disables it)")
@@ -187,7 +188,8 @@ def check_decoding_options(model: PreTrainedModel, options: DecodingOptions) -> 
         raise ValueError("prefix_allowed_tokens_fn must be a callable (batch_id, input_ids) -> allowed token ids, "
                          f"got {type(options.prefix_allowed_tokens_fn).__name__}")
     config = options.config(model)
-    _check_number("encoder_repetition_penalty", config.encoder_repetition_penalty, lambda v: v > 0, "a number > 0")
+    if config.encoder_repetition_penalty is not None:
+        checked_number("encoder_repetition_penalty", config.encoder_repetition_penalty, lambda v: v > 0, "a number > 0")
     found = unsupported_option(lambda name: getattr(config, name, None))
     if found is not None:
         name, value = found
@@ -291,9 +293,3 @@ def _config_warpers(config: GenerationConfig, device: torch.device) -> list[Logi
         warpers.append(EtaLogitsWarper(config.eta_cutoff, device=device))
     return warpers
 
-
-def _check_number(name: str, value: object, valid, allowed: str) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not valid(value):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")

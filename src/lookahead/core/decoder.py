@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import LookaheadConfig
-from ..integers import integer
+from ..arguments import integer
 from .drafter import AcceptanceStats, RankedNodes, RowDemand, node_counts, rank_nodes, window_width
 from .drafts import Draft, Proposer
 from .layout import GuessTree, StepLayout, step_layout

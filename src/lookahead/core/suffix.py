@@ -3,11 +3,10 @@ O(1) per appended token, and its continuation as a draft of any length."""
 
 from __future__ import annotations
 
-import numbers
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from ..integers import integer
+from ..arguments import checked_number, integer
 from .drafts import Draft
 from .recycle import SuccessorTable
 
@@ -139,9 +138,7 @@ class Corpus:
     KEPT_AFTER_EVICTION = 0.75
 
     def __init__(self, max_megabytes: float = 64.0) -> None:
-        if (isinstance(max_megabytes, bool) or not isinstance(max_megabytes, numbers.Real)
-                or not 0 < max_megabytes <= 2**40):
-            raise ValueError(f"max_megabytes must be a number in (0, 2**40], got {max_megabytes!r}")
+        checked_number("max_megabytes", max_megabytes, lambda v: 0 < v <= 2**40, "a number in (0, 2**40]")
         self.max_tokens = int(max_megabytes * 2**20 / BYTES_PER_TOKEN)
         if self.max_tokens < 2:  # a separator and one token
             raise ValueError(f"max_megabytes must hold at least one token ({2 * BYTES_PER_TOKEN / 2**20:.4f} MB, "

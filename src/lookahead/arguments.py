@@ -1,9 +1,12 @@
-"""Integer arguments as callers pass them: a Python int, a numpy integer or a one-element integer tensor, each
-taken as the Python int it holds; never a bool (True == 1 is no count) nor a float (3.0)."""
+"""Checks of the arguments callers pass, shared by every layer. An integer may come as a Python int, a numpy
+integer or a one-element integer tensor, each taken as the Python int it holds; never a bool (True == 1 is no
+count), nor a float (3.0). A number is any real but a bool."""
 
 from __future__ import annotations
 
+import numbers
 import operator
+from collections.abc import Callable
 
 
 def integer(value: object) -> int | None:
@@ -26,3 +29,10 @@ def checked_int(name: str, value: object, minimum: int, maximum: int | None = No
             allowed = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
     return number
+
+
+def checked_number(name: str, value: object, valid: Callable[[float], bool], allowed: str) -> None:
+    """ValueError naming `name` unless `value` is a real number (not a bool) for which `valid` holds (`allowed`:
+    what the message says is allowed)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not valid(value):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
