@@ -105,8 +105,8 @@ def test_pool_keeps_most_recent_distinct_continuations():
 
 def test_pool_ranks_continuations_with_longer_shared_context_first():
     pool = NGramPool(ngram=3, capacity=3, context=3)
-    pool.add_all([7, 8, 1, 2, 3])  # 1 -> (2, 3) after 7, 8
-    pool.add_all([5, 1, 4, 4])  # 1 -> (4, 4) after 5
+    pool.add_ending_in([7, 8, 1, 2, 3], 5)  # 1 -> (2, 3) after 7, 8
+    pool.add_ending_in([5, 1, 4, 4], 4)  # 1 -> (4, 4) after 5
     pool.add([1, 6, 6])  # 1 -> (6, 6), from the window: no context
     assert pool.continuations([0, 0, 1]) == [(6, 6), (4, 4), (2, 3)]  # recency alone
     assert pool.continuations([0, 5, 1]) == [(4, 4), (6, 6), (2, 3)]
@@ -127,10 +127,10 @@ def test_pool_keeps_all_the_context_a_short_text_has():
 
 def test_pool_from_sequence_and_zero_capacity():
     pool = NGramPool(ngram=2, capacity=3)
-    pool.add_all([5, 6, 5, 7])
+    pool.add_ending_in([5, 6, 5, 7], 4)
     assert pool.continuations([5]) == [(7,), (6,)]
     empty = NGramPool(ngram=2, capacity=0)
-    empty.add_all([5, 6, 5, 7])
+    empty.add_ending_in([5, 6, 5, 7], 4)
     assert len(empty) == 0
 
 
@@ -191,8 +191,8 @@ def test_greedy_walk_equals_vectorised_greedy():
 
 def test_pool_default_context_is_the_first_token_and_two_before_it():
     pool = NGramPool(ngram=2, capacity=2)
-    pool.add_all([9, 7, 8, 1, 2])
-    pool.add_all([5, 7, 8, 1, 3])
+    pool.add_ending_in([9, 7, 8, 1, 2], 5)
+    pool.add_ending_in([5, 7, 8, 1, 3], 5)
     # both 1s follow 7, 8; what came before that (9 or 5) is not looked at: recency decides
     assert pool.continuations([9, 7, 8, 1]) == [(3,), (2,)]
     assert pool.continuations([5, 7, 8, 1]) == [(3,), (2,)]
@@ -202,8 +202,8 @@ def test_pool_three_token_context_beats_two_token_context():
     direct, from_text = NGramPool(ngram=3, capacity=3), NGramPool(ngram=3, capacity=3)
     direct.add([1, 2, 3], before=[7, 8])
     direct.add([1, 4, 4], before=[9, 8])
-    from_text.add_all([7, 8, 1, 2, 3])
-    from_text.add_all([9, 8, 1, 4, 4])
+    from_text.add_ending_in([7, 8, 1, 2, 3], 5)
+    from_text.add_ending_in([9, 8, 1, 4, 4], 5)
     for pool in (direct, from_text):
         assert pool.continuations([7, 8, 1]) == [(2, 3), (4, 4)]  # 7, 8 shared: ahead of the more recent
         assert pool.continuations([9, 8, 1]) == [(4, 4), (2, 3)]

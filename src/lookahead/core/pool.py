@@ -43,10 +43,6 @@ class NGramPool:
         """File the n-gram of a text that begins at `start`, with the tokens before it as its context."""
         self.add(text[start : start + self.ngram], text[max(0, start - self.context + 1) : start])
 
-    def add_all(self, tokens: Sequence[int]) -> None:
-        """File every n-gram of a text with its context, in order (later ones end up first)."""
-        self.add_ending_in(tokens, len(tokens))
-
     def add_ending_in(self, text: Sequence[int], new: int) -> None:
         """File the n-grams of a text that end in its last `new` tokens, with their context, in order."""
         for start in range(max(0, len(text) - new - self.ngram + 1), len(text) - self.ngram + 1):
