@@ -130,6 +130,8 @@ def test_bench_corpus_refuses_an_unknown_pair(tiny_dir):
         (["--config", "50,4,5"], "window x (ngram - 1) must be below 128"),
         (["--config", "auto", "--config", "auto:5"], "each method once: lookahead-auto given twice"),
         (["--config", "1,1,1"], "ngram must be an integer >= 2"),
+        (["--config", "2,4,\u00b2"], "expected W,N,G (three integers)"),  # a digit to str.isdigit, not to int(): a traceback
+        (["--config", "auto:\u00b2"], "expected auto:W with W an integer >= 0"),
         (["--baselines", "greedy,beam"], "unknown ['beam']"),
         (["--dataset", "mt_bench", "--category", "poetry"], "'poetry' is not in mt_bench"),
         (["--config", "1,2,1", "--config", "1,2,1"], "each method once: lookahead-W1N2G1 given twice"),
@@ -313,10 +315,11 @@ def test_serve_rounds_alternate_the_modes_each_run_with_a_key_of_its_own(monkeyp
     ('{"prompt": "a", "id": "q"}\n{"prompt": "b", "id": "q"}\n', "prompts.jsonl:2: id 'q' is line 1's too"),
     ('{"prompt": "a", "id": "1"}\n{"prompt": "b"}\n', "id '1' is line 1's too"),  # the second's index
     ('{"prompt": "a", "category": "all"}\n', "the category 'all' names the row of every prompt"),
+    (b'{"prompt": "caf\xe9"}\n', "prompts.jsonl: cannot be read as UTF-8 text"),  # Latin-1: had not named the file
 ])
 def test_a_jsonl_dataset_that_is_not_one_prompt_object_a_line_is_refused(tmp_path, content, message):
     dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text(content)
+    dataset.write_bytes(content if isinstance(content, bytes) else content.encode())
     result = run("bench", "--dataset", str(dataset), "--model", "/nowhere")
     assert result.returncode == 2 and "--dataset" in result.stderr and message in " ".join(result.stderr.split())
 

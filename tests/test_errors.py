@@ -216,11 +216,28 @@ def test_a_generation_configs_pad_token_that_is_no_token_id_is_refused(llama_tin
         ({"assistant_model": object()}, TypeError, "assistant_model: assisted decoding is not what lookahead does"),
         ({"output_logits": "yes"}, ValueError, "output_logits must be a bool, got 'yes'"),
         ({"output_attentions": True}, ValueError, "output_attentions=True: lookahead's generate returns scores"),
+        # Generation config values that failed only in the processors, after the engine had timed the model, or
+        # at the last step (a forced token outside the vocabulary)
+        ({"forced_eos_token_id": 999}, ValueError,
+         r"forced_eos_token_id \(generation config\) must be a token id in \[0, 128\), got 999"),
+        ({"forced_bos_token_id": -1}, ValueError, r"forced_bos_token_id \(generation config\) must be a token id"),
+        ({"no_repeat_ngram_size": -1}, ValueError,
+         r"no_repeat_ngram_size \(generation config\) must be an integer >= 0, got -1"),
+        ({"min_new_tokens": "3"}, ValueError, r"min_new_tokens \(generation config\) must be an integer >= 0, got '3'"),
+        ({"exponential_decay_length_penalty": (1,)}, ValueError,
+         r"exponential_decay_length_penalty \(generation config\) must be a pair \(start index, decay factor\)"),
+        ({"do_sample": True, "min_p": 2.0}, ValueError, r"the generation config's options cannot be applied: `min_p`"),
+        ({"stop_strings": "x", "tokenizer": "gpt2"}, TypeError,
+         "tokenizer must be the model's transformers tokenizer \\(for stop_strings\\), got str"),
+        ({"input_ids": torch.tensor([[5, 6, 7], [-1, 8, 9]]), "attention_mask": torch.tensor([[1, 1, 1], [0, 1, 1]])},
+         ValueError, r"padding holds token id -1, outside the model's vocabulary \[0, 128\)"),
+        ({"packed_linear": "no"}, TypeError, "packed_linear must be True, False or None, got 'no'"),
     ],
     ids=["temperature", "top-p", "eos-float", "eos-string", "eos-negative", "pad", "corpus-type",
          "corpus-vocabulary", "no-prompt", "text-prompt", "texts-prompt", "proposer", "empty-row", "unknown-option",
          "generation-config-type", "beam-search", "forced-words", "sampled-sequences", "assistant-model",
-         "output-logits-type", "attentions"],
+         "output-logits-type", "attentions", "forced-eos-vocabulary", "forced-bos-negative", "ngram-size",
+         "min-new-tokens-type", "decay-pair", "min-p", "tokenizer-type", "padding-vocabulary", "packed-linear"],
 )
 def test_bad_options_are_refused_before_any_work(llama_tiny, tmp_path, monkeypatch, kwargs, error, message):
     """Even where nothing is measured yet (an empty cost-curve cache: the engine would first time the model),
@@ -321,3 +338,34 @@ def test_an_engine_request_with_a_generation_config_of_the_wrong_type_is_refused
 
     with pytest.raises(TypeError, match="generation_config must be a transformers GenerationConfig or None, got dict"):
         Engine(llama_tiny, max_batch=1, max_length=32).add_request([5, 6], RequestParams(generation_config={}))
+
+
+def test_a_list_of_numpy_prompts_is_a_list_of_prompts(llama_tiny):
+    """Rows of different lengths were refused as not token ids; rows of one length were stacked into a [B, n]
+    tensor, whose pad tokens (0 here) were then taken for padding: the prompt [0, 6] lost its first token."""
+    for prompts in ([[5, 6], [7]], [[0, 6], [7, 8]]):
+        expected = generate(llama_tiny, prompts, max_new_tokens=3).sequences
+        assert torch.equal(generate(llama_tiny, [np.array(p) for p in prompts], max_new_tokens=3).sequences, expected)
+    assert generate(llama_tiny, [[0, 6], [7, 8]], max_new_tokens=3).sequences[0, :2].tolist() == [0, 6]
+
+
+def test_a_pad_token_outside_the_vocabulary_pads_the_scores_too(llama_tiny):
+    """generate takes such a pad id; the scores past a sequence's end set its score, and indexed past the
+    vocabulary after all the decoding."""
+    plain = generate(llama_tiny, [[5, 6, 7], [8]], max_new_tokens=6, eos_token_id=[])
+    out = generate(llama_tiny, [[5, 6, 7], [8]], max_new_tokens=6, eos_token_id=[], pad_token_id=999,
+                   output_scores=True)
+    assert torch.equal(out.sequences[:, :7], plain.sequences[:, :7]) and len(out.scores) == 6
+    assert out.sequences[1, 7:].tolist() == [999, 999]  # the shorter prompt's row, padded after its output
+
+
+def test_an_engine_refuses_its_own_arguments_before_any_work(llama_tiny):
+    from lookahead.engine import Engine
+
+    is_causal(llama_tiny)
+    with ForwardRecorder(llama_tiny) as recorder:
+        with pytest.raises(ValueError, match="max_length must be an integer >= 2, got 1.5"):
+            Engine(llama_tiny, max_batch=1, max_length=1.5)
+        with pytest.raises(TypeError, match="packed_linear must be True, False or None, got 'no'"):
+            Engine(llama_tiny, max_batch=1, max_length=32, packed_linear="no")
+    assert recorder.sizes == []

@@ -1001,6 +1001,29 @@ def test_chat_logprobs_are_the_models_streamed_or_not(server, default_model):
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)
 
 
+def test_a_special_token_in_the_reply_moves_no_text_offset(server, default_model):
+    """The reply's text leaves special tokens out; its offsets counted each one's text (12 characters for
+    "<|im_start|>"), so every later offset pointed past the text."""
+    url, _ = server
+    _, tokenizer = default_model
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    reply = client(url).completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0, logprobs=0,
+                                           logit_bias={str(special): 100})
+    logprobs = reply.choices[0].logprobs
+    assert logprobs.tokens == ["<|im_start|>"] * 4 and reply.choices[0].text == ""
+    assert logprobs.text_offset == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324])
+def test_a_vanishing_temperature_decodes_greedily(server, temperature):
+    """Logits divided by it overflowed to infinities, and the reply was special tokens drawn from the noise."""
+    url, _ = server
+    options = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6, "seed": 3}
+    greedy = client(url).completions.create(**options, temperature=0).choices[0]
+    tiny = client(url).completions.create(**options, temperature=temperature).choices[0]
+    assert (tiny.text, tiny.finish_reason) == (greedy.text, greedy.finish_reason) and greedy.text.strip()
+
+
 def test_completion_logprobs_in_the_legacy_format(server, default_model):
     url, _ = server
     _, tokenizer = default_model

@@ -320,22 +320,31 @@ def _parse_config(text: str) -> LookaheadConfig:
     if name == "auto":
         if not colon:
             return AUTO_CONFIG
-        if not width.strip().isdigit():
+        columns = _integer(width)
+        if columns is None or columns < 0:
             raise typer.BadParameter(f"expected auto:W with W an integer >= 0 (the most window columns), got "
                                      f"{text!r}", param_hint="--config")
         try:  # what the window adds, measured against auto
-            return dataclasses.replace(AUTO_CONFIG, window=int(width))
+            return dataclasses.replace(AUTO_CONFIG, window=columns)
         except ValueError as error:
             raise typer.BadParameter(str(error), param_hint="--config") from error
-    parts = text.split(",")
-    if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+    values = [_integer(part) for part in text.split(",")]
+    if len(values) != 3 or None in values:
         raise typer.BadParameter(f"expected W,N,G (three integers), auto or auto:W, got {text!r}",
                                  param_hint="--config")
-    window, ngram, guesses = (int(p) for p in parts)
+    window, ngram, guesses = values
     try:
         return LookaheadConfig(window=window, ngram=ngram, guesses=guesses)
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="--config") from error
+
+
+def _integer(text: str) -> int | None:
+    """The integer a command-line value spells, None for anything else (what str.isdigit takes, such as '²', too)."""
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 def _torchrun_rank(lm, call: dict):

@@ -201,14 +201,15 @@ class Engine:
 
     def __init__(self, model: PreTrainedModel, max_batch: int = 8, max_length: int | None = None,
                  prefill_chunk: int = 512, packed_linear: bool | None = None, compile: bool | str = False) -> None:
+        check_model(model)
         max_batch, prefill_chunk = checked_int("max_batch", max_batch, 1), checked_int("prefill_chunk", prefill_chunk, 1)
-        self.runner = HFModelRunner(model, packed_linear=packed_linear, compile=compile)
         context = context_length(model)
         if max_length is None:
             max_length = min(context or 4096, 4096)
         max_length = checked_int("max_length", max_length, 2)
         if context is not None and max_length > context:
             raise ValueError(f"max_length ({max_length}) exceeds the model's context of {context} positions")
+        self.runner = HFModelRunner(model, packed_linear=packed_linear, compile=compile)
         self.model = model
         self.max_batch, self.max_length, self.prefill_chunk = max_batch, max_length, prefill_chunk
         _check_memory(self.runner, max_batch, max_length + STEP_ROOM)
@@ -264,7 +265,7 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator().manual_seed(int(params.seed))
         stops = eos_ids(self.model, params.eos_token_id, params.generation_config)
-        padding = _checked_padding(padding)
+        padding = check_padding(self.model, padding)
         rule = decoding_rule(self.model, params.decoding(generator), torch.cat([padding, prompt]),
                              params.max_new_tokens, stops, padding.numel())
         transform = rule.transform
@@ -622,14 +623,20 @@ def _with_config_defaults(model: PreTrainedModel, params: RequestParams) -> Requ
     return params
 
 
-def _checked_padding(padding: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    """`add_request`'s padding as a 1-D long tensor; ValueError for anything but token ids in a row."""
+def check_padding(model: PreTrainedModel, padding: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """`add_request`'s padding as a 1-D long tensor; ValueError for anything but token ids of the model's
+    vocabulary in a row (the processors and stopping criteria read them)."""
     tensor = as_token_tensor(padding, "padding")
     if tensor.numel() and tensor.dtype not in TOKEN_DTYPES:  # (none given: torch's default dtype)
         raise ValueError(f"padding must hold integer token ids, got dtype {tensor.dtype}")
     if tensor.dim() > 1 and not (tensor.dim() == 2 and tensor.shape[0] == 1):
         raise ValueError(f"padding must be one row ([n] or [1, n]), got shape {list(tensor.shape)}")
-    return tensor.to(torch.long).view(-1).cpu()
+    tensor = tensor.to(torch.long).view(-1).cpu()
+    vocabulary = vocabulary_size(model)
+    outside = tensor[(tensor < 0) | (tensor >= vocabulary)]
+    if outside.numel():
+        raise ValueError(f"padding holds token id {int(outside[0])}, outside the model's vocabulary [0, {vocabulary})")
+    return tensor
 
 
 def _behind_padding(padding: torch.Tensor, transform: LogitsTransform) -> LogitsTransform:
@@ -730,9 +737,35 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
     for name in ("output_scores", "output_logits"):
         if not isinstance(getattr(params, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(params, name)!r}")
-    check_decoding_options(model, params.decoding(params.generator))
-    eos_ids(model, params.eos_token_id, params.generation_config)
+    options = params.decoding(params.generator)
+    check_decoding_options(model, options)
+    _check_config_processors(model, options, eos_ids(model, params.eos_token_id, params.generation_config))
     return config
+
+
+def _check_config_processors(model: PreTrainedModel, options: DecodingOptions, stops: list[int]) -> None:
+    """Refuse, before any work, generation config values the processors would fail on only once built or run: the
+    token ids they force, the lengths they count, and what their constructors refuse (built here once, on a
+    one-token prompt, with a generator of their own: the caller's is not drawn from)."""
+    config = options.config(model)
+    vocabulary = vocabulary_size(model)
+    for name in ("forced_bos_token_id", "forced_eos_token_id"):
+        value = getattr(config, name, None)
+        if value is not None and not list_of(value if isinstance(value, (list, tuple)) else [value],
+                                             lambda i: isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocabulary):
+            raise ValueError(f"{name} (generation config) must be a token id in [0, {vocabulary}), got {value!r}")
+    for name in ("min_length", "min_new_tokens", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size"):
+        if getattr(config, name, None) is not None:
+            checked_int(f"{name} (generation config)", getattr(config, name), 0)
+    decay = getattr(config, "exponential_decay_length_penalty", None)
+    if decay is not None and not (isinstance(decay, (list, tuple)) and len(decay) == 2):
+        raise ValueError(f"exponential_decay_length_penalty (generation config) must be a pair (start index, decay "
+                         f"factor), got {decay!r}")
+    try:
+        decoding_rule(model, dataclasses.replace(options, generator=torch.Generator()), torch.zeros(1, dtype=torch.long),
+                      1, stops)
+    except (TypeError, ValueError, IndexError) as error:
+        raise ValueError(f"the generation config's options cannot be applied: {error}") from error
 
 
 def eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None,

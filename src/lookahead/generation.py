@@ -14,7 +14,7 @@ from transformers import (GenerationConfig, LogitsProcessor, MaxTimeCriteria, Pr
 from .config import LookaheadConfig
 from .core.drafts import Proposer
 from .core.suffix import Corpus
-from .engine import (Engine, GenerateOutput, GenerationStats, RequestParams, as_token_tensor, check_params,
+from .engine import (Engine, GenerateOutput, GenerationStats, RequestParams, as_token_tensor, check_padding, check_params,
                      check_request, eos_ids, StoppingCriterion, pad_id, stop_token_list)
 from .hf import check_model
 from .arguments import checked_int, checked_number, integer
@@ -110,7 +110,7 @@ def generate(
                                   generation_options | ({"do_sample": do_sample} if do_sample else {}))
     criteria = _stopping_criteria(settings, stop_strings, tokenizer, stopping_criteria)
     eos_token_id = stop_token_list(eos_token_id)  # a generator of them read once, here
-    _check_callers_objects(streamer, packed_linear)
+    _check_streamer(streamer)
     prompts, layout = _prompts(input_ids, attention_mask, _inferred_padding(model, settings, eos_token_id,
                                                                             pad_token_id))
     width = layout.shape[1] if layout is not None else max(len(prompt) for prompt in prompts)
@@ -133,14 +133,15 @@ def generate(
         raise ValueError("streamer takes one sequence: pass one prompt, or no streamer")
     if len(checked) > 1 and proposers:
         raise ValueError("proposers keep one sequence's state: pass one prompt, or no proposers")
+    # A batch row's left padding goes in front of its prompt for the processors and stopping criteria, as generate
+    # hands them rows.
+    paddings = [check_padding(model, () if layout is None else layout[row, : layout.shape[1] - prompt.numel()])
+                for row, prompt in enumerate(checked)]
     engine = Engine(model, max_batch=len(checked), max_length=max(p.numel() for p in checked) + max_new_tokens,
                     packed_linear=packed_linear, compile=compile)
     start = time.perf_counter()
-    # A batch row's left padding goes in front of its prompt for the processors and stopping criteria, as generate
-    # hands them rows.
-    ids = [engine.add_request(prompt, _row_params(params, row),
-                              () if layout is None else layout[row, : layout.shape[1] - prompt.numel()])
-           for row, prompt in enumerate(checked)]
+    ids = [engine.add_request(prompt, _row_params(params, row), padding)
+           for row, (prompt, padding) in enumerate(zip(checked, paddings))]
     generated: dict[int, list[int]] = {i: [] for i in ids}
     rows: dict[str, dict[int, list[torch.Tensor]]] = {"scores": {i: [] for i in ids}, "logits": {i: [] for i in ids}}
     finished: dict[int, GenerationStats] = {}
@@ -196,7 +197,8 @@ def _per_position(rows: dict[int, list[torch.Tensor]], ids: list[int], pad: int,
     past a sequence's end, the pad token at 0 and -inf elsewhere. `rows` is emptied as they are copied (the
     scores of a long batch take gigabytes: held twice at most, not three times)."""
     out = torch.full((width, len(ids), rows[ids[0]][0].shape[-1]), -float("inf"))
-    out[:, :, pad] = 0.0
+    if pad < out.shape[-1]:  # a pad id outside the vocabulary (as generate takes it) has no score to set
+        out[:, :, pad] = 0.0
     for b, i in enumerate(ids):
         at = 0
         for block in rows.pop(i):
@@ -253,6 +255,9 @@ def _stopping_criteria(settings: GenerationConfig, stop_strings: str | Sequence[
                              f"{stop_strings!r}")
         if tokenizer is None:
             raise ValueError("stop_strings need the model's tokenizer: pass tokenizer= too (as generate does)")
+        if not callable(getattr(tokenizer, "get_vocab", None)):
+            raise TypeError(f"tokenizer must be the model's transformers tokenizer (for stop_strings), got "
+                            f"{type(tokenizer).__name__}")
         if not any(type(c) is StopStringCriteria for c in criteria or ()):  # else built for nothing (tokenizer work)
             built.append(StopStringCriteria(tokenizer, list(stops)))
     return tuple(merged_by_type(built, criteria or ()))
@@ -263,7 +268,8 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None, padding: int | None
     """The prompts of a call, and the input tensor the output keeps (None for a list of prompts). Without
     an attention mask, the `padding` tokens of a [B, n] tensor are padding, as `generate` infers them (a 1-D
     prompt is taken whole)."""
-    if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, torch.Tensor)):
+    if (isinstance(input_ids, (list, tuple)) and input_ids
+            and (isinstance(input_ids[0], (list, tuple)) or getattr(input_ids[0], "ndim", 0) >= 1)):  # numpy rows too
         if attention_mask is not None:
             raise ValueError("attention_mask goes with a [B, n] tensor of input_ids, not with a list of prompts")
         return list(input_ids), None
@@ -320,12 +326,10 @@ def _new_tokens(config: GenerationConfig, max_new_tokens: int | None, width: int
     return positions - width
 
 
-def _check_callers_objects(streamer, packed_linear) -> None:
-    """Raise, naming the argument, for objects of the wrong kind that would otherwise fail deep inside."""
+def _check_streamer(streamer) -> None:
+    """Raise, naming the argument, for an object of the wrong kind that would otherwise fail deep inside."""
     if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
         raise TypeError(f"streamer must be a transformers streamer (with put() and end()), got {type(streamer).__name__}")
-    if packed_linear is not None and not isinstance(packed_linear, bool):
-        raise TypeError(f"packed_linear must be True, False or None, got {packed_linear!r}")
 
 
 def _inferred_padding(model: PreTrainedModel, settings: GenerationConfig, eos_token_id, pad_token_id: int | None

@@ -556,6 +556,8 @@ class HFModelRunner:
 
     def __init__(self, model: PreTrainedModel, packed_linear: bool | None = None, compile: bool | str = False) -> None:
         check_model(model)
+        if packed_linear is not None and not isinstance(packed_linear, bool):
+            raise TypeError(f"packed_linear must be True, False or None, got {packed_linear!r}")
         self.compile_mode = compile_mode(compile)
         config = model.config.get_text_config(decoder=True)
         self.layer_types: list[str] | None = getattr(config, "layer_types", None)

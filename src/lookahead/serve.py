@@ -68,6 +68,9 @@ PAGE_HEADERS = {
 # A text completion's reply is this long at most when the client sets no max_tokens, as in OpenAI's API (a chat
 # reply, as there, may take what is left of the context).
 DEFAULT_COMPLETION_TOKENS = 16
+# A temperature below this decodes greedily, as vLLM has it: dividing logits by a far smaller one overflows them
+# to infinities, and the tokens drawn from those are noise.
+GREEDY_BELOW = 1e-5
 # How long a client turned away for a full server should wait before retrying (`Retry-After`).
 RETRY_AFTER_SECONDS = 1
 # How often a non-streaming request checks that its client is still there.
@@ -714,15 +717,17 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         if size == 0:
             raise APIError(400, f"{where} must not be empty", where)
         room = engine.max_length - size
-        if room < 1:
-            raise APIError(400, f"{where} is {size} tokens long: with a token of reply it exceeds the server's "
-                                f"max_length of {engine.max_length} positions", where, code="context_length_exceeded")
         limit, asked = body.token_limit()
-        if asked is None:
-            return min(body.DEFAULT_TOKENS or room, room)
         if asked == 0 and not body.echoes():
             raise APIError(400, f"{limit} must be at least 1 (0 only with a text completion's echo: the prompt "
                                 "scored, nothing generated)", limit)
+        scored_only = asked == 0  # the prompt alone must fit
+        if room < (0 if scored_only else 1):
+            raise APIError(400, f"{where} is {size} tokens long: {'it' if scored_only else 'with a token of reply it'} "
+                                f"exceeds the server's max_length of {engine.max_length} positions", where,
+                           code="context_length_exceeded")
+        if asked is None:
+            return min(body.DEFAULT_TOKENS or room, room)
         if asked > room:
             raise APIError(400, f"the prompt ({size} tokens) + {limit} ({asked}) exceeds the server's max_length of "
                                 f"{engine.max_length} positions; {limit} can be at most {room} for this prompt", limit,
@@ -735,10 +740,11 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         corpus = corpora.get(key)
         penalties = OpenAIPenalties.of(body, prompt.numel(), vocabulary_size(model))
         stops = [stop for stop in body.stop_strings() if stop]
+        sampled = body.temperature >= GREEDY_BELOW
         return RequestParams(max_new_tokens=new_tokens(body, prompt), config=_lookahead_config(body.lookahead),
-                             do_sample=body.temperature > 0, temperature=body.temperature or None,
+                             do_sample=sampled, temperature=body.temperature if sampled else None,
                              top_p=body.top_p or 1.0, top_k=1 if body.top_p == 0 else max(body.top_k, 0),
-                             seed=body.seed if body.temperature > 0 else None,
+                             seed=body.seed if sampled else None,
                              corpus=corpus, output_logits=body.logprobs_asked() is not None,
                              logits_processor=[penalties] if penalties is not None else None,
                              stopping_criteria=[_ReplyStop(tokenizer, stops, prompt.numel())] if stops else None)
@@ -1171,30 +1177,40 @@ class _Logprobs:
         self.offsets = [0]  # of each token's text in the reply's, and where the next one's would start
         self._characters = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a character's first bytes
         self.echoed = 0  # the prompt's tokens, first (`add_prompt`): indices below count them
+        self._special = frozenset(tokenizer.all_special_ids)
 
     def add_prompt(self, tokens: list[int], logits: torch.Tensor) -> None:
         """An echoed prompt's tokens, before any of the reply's: the first has no log-probability (nothing
         before it), each other one's from `logits` ([len(tokens) - 1, vocab]: after each token but the last)."""
         self.chosen.append((tokens[0], None))
         self.likeliest.append(None)
-        self._add_texts(tokens[:1])
-        self.add(tokens[1:], logits)
+        self._add_texts(tokens[:1], reply=False)
+        self._add(tokens[1:], logits, reply=False)
         self.echoed = len(tokens)
 
     def add(self, tokens: list[int], logits: torch.Tensor) -> None:
+        """The reply's next tokens."""
+        self._add(tokens, logits, reply=True)
+
+    def _add(self, tokens: list[int], logits: torch.Tensor, reply: bool) -> None:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         picked = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
         self.chosen += zip(tokens, picked)
-        self._add_texts(tokens)
+        self._add_texts(tokens, reply)
         if self.top:
             values, ids = logprobs.topk(self.top, dim=-1)
             self.likeliest += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
         else:
             self.likeliest += [[] for _ in tokens]
 
-    def _add_texts(self, tokens: list[int]) -> None:
-        """Offsets in characters: a token that ends inside a character adds none, the one that completes it one."""
+    def _add_texts(self, tokens: list[int], reply: bool) -> None:
+        """Offsets in characters: a token that ends inside a character adds none, the one that completes it one,
+        and in the reply a special token none (its text leaves them out, `_reply_text`; an echoed prompt's keeps
+        them)."""
         for token in tokens:
+            if reply and token in self._special:
+                self.offsets.append(self.offsets[-1])
+                continue
             raw = token_bytes(self.tokenizer, token, self.byte_level)
             self.offsets.append(self.offsets[-1] + len(self._characters.decode(raw)))
 

@@ -90,7 +90,11 @@ def load_workload(name: str, turns: int = 1, raw: bool = False) -> list[Prompt]:
                          + (": no such file" if looks_like_a_file else ""))
     prompts = []
     lines_of: dict[str, int] = {}  # id -> its line
-    for index, line in enumerate(path.read_text().splitlines()):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: cannot be read as UTF-8 text ({error})") from error
+    for index, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
         where = f"{path}:{index + 1}"
