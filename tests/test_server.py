@@ -1283,6 +1283,19 @@ def test_without_max_tokens_a_text_completion_gets_openais_16_and_a_chat_reply_t
     chat.close()
 
 
+def test_echo_scores_a_prompt_of_max_length_tokens(server):
+    """Nothing to generate: the prompt need only fit (it had been refused for want of room for a token of reply);
+    a token longer is refused."""
+    url, app = server
+    ids = [5] * app.state.engine_loop.engine.max_length
+    code, reply = raw(f"{url}/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True})
+    assert code == 200 and reply["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0,
+                                              "total_tokens": len(ids)}, reply
+    code, reply = raw(f"{url}/v1/completions", {"model": MODEL, "prompt": ids + [5], "max_tokens": 0, "echo": True})
+    assert code == 400 and reply["error"]["code"] == "context_length_exceeded"
+    assert "is 1025 tokens long: it exceeds the server's max_length of 1024" in reply["error"]["message"]
+
+
 def test_echo_alone_and_streamed_with_logprobs(server):
     """`echo` with nothing to generate and no logprobs gives the prompt back; streamed with logprobs, the first
     chunk carries the prompt's tokens and the later ones the reply's, in order."""
