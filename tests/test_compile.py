@@ -359,6 +359,22 @@ def test_a_curve_stored_while_the_machine_was_busy_is_measured_again(llama_tiny,
     assert json.loads(path.read_text())["plain"] == [13.5, 15.0, 27.0, 30.0]
 
 
+def test_a_packing_runner_reads_no_plain_times_from_a_stored_curve(llama_tiny, costs, tmp_path, monkeypatch):
+    """A runner told to pack never runs the plain path, and its stored curve is checked without plain times: a
+    file whose plain times were cut short (edited, or corrupt) had made a curve of one time, which failed at the
+    first step sized by it; plain times of any length could turn the packing off."""
+    runner = HFModelRunner(llama_tiny, packed_linear=True)
+    packer = runner.packers[0]
+    path = tmp_path / "costs" / f"{costs._curve_key(runner)}.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"sizes": [1, 2, 4, 8], "plain": [1.0], packer: [10.0, 11.0, 13.0, 20.0]}))
+    monkeypatch.setattr(costs, "timed_seconds", lambda run, device: 10.0)  # a one-row step now, as stored
+    curve = costs.cost_curve(runner)
+    assert curve.relative == [1.0, 1.1, 1.3, 2.0] and curve(4) == 1.3 and runner.packer == packer
+    with pytest.raises(ValueError, match="a positive time for each"):
+        costs.CostCurve([1, 2, 4], [1.0, 2.0])
+
+
 def test_a_measurement_says_so_on_stderr_and_a_stored_one_does_not(llama_tiny, costs, tmp_path, capsys):
     """A first call sat silent while it timed the model's steps (over two minutes on a busy 2-core machine): a
     new user took it for frozen. Now one line says what is timed and where it is kept; a later process reads the

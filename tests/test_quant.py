@@ -12,16 +12,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from lookahead import generate, kernels
+from lookahead import costs, generate, kernels
 from lookahead.bench.runner import TieMeter
 from lookahead import hf
-from lookahead.hf import PackedLinears
+from lookahead.hf import HFModelRunner, PackedLinears
 from lookahead.prompts import encode_prompt
 from lookahead.quant import GROUP_SIZE, Int4Linear, Int8Linear, quantise_weights, rounding_dtype, weights_of
 from lookahead.workloads import load_workload
 
-from conftest import make_tiny_model, reference_greedy, run_cli
+from conftest import _COMMON, make_tiny_model, reference_greedy, run_cli
 
 
 def _linear(weight: torch.Tensor, bias: bool = False) -> nn.Linear:
@@ -120,6 +121,24 @@ def test_each_row_is_computed_on_its_own(kind):
     for count in (1, 2, 3, 8, 17, 40):
         alone = torch.cat([layer(x[i : i + 1]) for i in range(count)])
         assert torch.equal(layer(x[:count]), alone) and torch.equal(together[:count], alone)
+
+
+def test_a_layer_two_modules_share_is_quantised_under_both_and_once():
+    shared = nn.Linear(64, 64)
+    model = quantise_weights(nn.Sequential(nn.Sequential(shared), nn.Sequential(shared)), "int8")
+    assert isinstance(model[0][0], Int8Linear) and model[1][0] is model[0][0]  # the second had kept float weights
+    with pytest.raises(ValueError, match="the model's weights are int8 already: quantise a float model, once"):
+        quantise_weights(model, "int4")
+
+
+def test_quantising_a_model_labels_that_model_not_others_of_its_config():
+    """The label was written on the config, which two models built from one config object share: the float one
+    was then taken for int4 (its rounding, its cost curves)."""
+    config = LlamaConfig(**_COMMON)
+    quantised, plain = LlamaForCausalLM(config).eval(), LlamaForCausalLM(config).eval()
+    quantise_weights(quantised, "int4")
+    assert weights_of(quantised) == "int4" and weights_of(plain) is None and rounding_dtype(plain) == torch.float32
+    assert costs._curve_key(HFModelRunner(quantised)) != costs._curve_key(HFModelRunner(plain))
 
 
 def test_quantise_weights_swaps_every_linear(llama_tiny):

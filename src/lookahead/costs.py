@@ -28,6 +28,7 @@ from . import kernels
 from .attention import loaded_attention
 from .hf import HFModelRunner, UnsupportedModelError, context_length, is_sharded
 from .machine import cache_root, cpu_fields, notice
+from .quant import weights_of
 from .runtime.batch import causal_step, pack_steps
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -43,8 +44,9 @@ class CostCurve:
     what the next of them costs."""
 
     def __init__(self, sizes: Sequence[int], seconds: Sequence[float], padded_to: Sequence[int] = ()) -> None:
-        if len(sizes) < 2 or list(sizes) != sorted(set(sizes)) or sizes[0] != 1 or min(seconds) <= 0:
-            raise ValueError("a cost curve needs increasing sizes starting at 1 and positive times")
+        if (len(sizes) < 2 or list(sizes) != sorted(set(sizes)) or sizes[0] != 1 or len(seconds) != len(sizes)
+                or min(seconds) <= 0):
+            raise ValueError("a cost curve needs increasing sizes starting at 1 and a positive time for each")
         self.sizes = list(sizes)
         # A step never costs more than a taller one (it could be padded to it): a time above a later one is
         # noise (another process on the cores while it was measured) and is lowered to it.
@@ -186,8 +188,8 @@ def median_seconds(run: Callable[[], object], repeats: int, device: torch.device
 
 
 def _curve_key(runner: HFModelRunner) -> str:
-    """What the cost depends on: the model's shape (not its weights), attention implementation, dtype, device
-    (on a CPU its model and flags: a cache folder that several machines share, or that an image brought from
+    """What the cost depends on: the model's shape (not its weights), quantisation, attention implementation, dtype,
+    device (on a CPU its model and flags: a cache folder that several machines share, or that an image brought from
     another, must not price this one's steps), threads, linear paths, and on a CPU the build of our kernels
     (named by their sources: a changed kernel is timed afresh)."""
     model: PreTrainedModel = runner.model
@@ -199,9 +201,9 @@ def _curve_key(runner: HFModelRunner) -> str:
     else:
         device = runner.device.type
     built = kernels.library() if runner.device.type == "cpu" else None
-    described = json.dumps([COST_FORMAT_VERSION, type(model).__name__, config, loaded_attention(model.config),
-                            str(runner.dtype), device, torch.get_num_threads(), runner.packing, runner.packers,
-                            torch.__version__, built.name if built else None],
+    described = json.dumps([COST_FORMAT_VERSION, type(model).__name__, config, weights_of(model),
+                            loaded_attention(model.config), str(runner.dtype), device, torch.get_num_threads(),
+                            runner.packing, runner.packers, torch.__version__, built.name if built else None],
                            sort_keys=True, default=str)
     return hashlib.blake2b(described.encode(), digest_size=16).hexdigest()
 
@@ -313,7 +315,8 @@ _ONE_ROW_NOW: dict[str, float] = {}  # curve key and linear path -> `_one_row_no
 
 def _chosen_path(runner: HFModelRunner, measured: dict) -> list[float]:
     """Sets the linear path `cost_curve` describes (see there) on the runner; returns its step times."""
-    sizes, plain = measured["sizes"], measured.get("plain")
+    # (A runner told to pack never runs the plain path; `valid` checks no plain times for it.)
+    sizes, plain = measured["sizes"], measured.get("plain") if runner.packing is not True else None
     options = [(None, None, plain)] if plain is not None else []
     for packer in runner.packers:
         packed = measured[packer]

@@ -116,27 +116,34 @@ def quantise_weights(model: nn.Module, kind: str) -> nn.Module:
         raise ValueError(f"quantised weights must be one of {QUANTISED_WEIGHTS}, got {kind!r}")
     if any(p.device.type != "cpu" for p in model.parameters()):
         raise ValueError("int8/int4 weights run on torch's CPU kernels: load the model on the CPU")
+    if weights_of(model) is not None:
+        raise ValueError(f"the model's weights are {weights_of(model)} already: quantise a float model, once")
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+    # Every name of each layer: one shared by two modules is replaced under both, by one quantised layer.
+    targets = [(name, module) for name, module in model.named_modules(remove_duplicate=False)
+               if type(module) is nn.Linear]
     if not targets:
         raise ValueError(f"{type(model).__name__} has no nn.Linear layers to quantise")
+    replacements: dict[int, nn.Module | None] = {}
     for name, linear in targets:
-        if kind == "int4" and linear is not output and int4_fits(linear):
-            replacement = Int4Linear(linear)
-        elif int8_fits(linear):
-            replacement = Int8Linear(linear)
-        else:
-            continue  # a shape neither kernel takes: the layer keeps its float weights
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
-    if hasattr(model, "config"):  # read by `weights_of`; part of the config, so of the cost curve's cache key
-        model.config.lookahead_weights = kind
+        if id(linear) not in replacements:
+            if kind == "int4" and linear is not output and int4_fits(linear):
+                replacements[id(linear)] = Int4Linear(linear)
+            elif int8_fits(linear):
+                replacements[id(linear)] = Int8Linear(linear)
+            else:
+                replacements[id(linear)] = None  # a shape neither kernel takes: the layer keeps its float weights
+        if replacements[id(linear)] is not None:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, replacements[id(linear)])
+    # On the model, not its config, which other models built from the same config object share.
+    model.lookahead_weights = kind
     return model
 
 
 def weights_of(model: nn.Module) -> str | None:
     """"int8" or "int4" for a model quantised by `quantise_weights`, else None."""
-    return getattr(getattr(model, "config", None), "lookahead_weights", None)
+    return getattr(model, "lookahead_weights", None)
 
 
 def rounding_dtype(model: nn.Module) -> torch.dtype:
