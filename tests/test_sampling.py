@@ -20,7 +20,7 @@ from transformers import (
 
 import lookahead.sampling
 from lookahead import LookaheadConfig, generate
-from lookahead.core.verify import gumbel_noise, sample_choice
+from lookahead.core.verify import _mix, gumbel_noise, sample_choice
 
 # The suffix and recycle sources: ragged trees.
 CONFIG = LookaheadConfig(window=3, ngram=3, guesses=4, suffix=8, recycle=2)
@@ -54,6 +54,20 @@ def test_sample_choice_returns_the_node_of_an_accepted_candidate():
     noise = gumbel_noise(3, 0, 3)
     assert sample_choice(scores, [(1, 7)], noise) == (1, 7)
     assert sample_choice(scores, [(2, 8)], noise) == (1, None)
+
+
+def test_a_uniform_draw_of_exactly_zero_leaves_its_token_possible(llama_tiny):
+    """At (seed, position) below, rand drew an exact 0 for token 3: its noise was -inf. Forced there (the last
+    position, forced_eos_token_id=3), token 3 was the only one with a finite score, every sum was -inf, and
+    token 0, which generate gives probability 0, was drawn (a seed search of a review found it)."""
+    seed = int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(280938)))  # what generate draws
+    noise = gumbel_noise(seed, 11, 128)
+    assert torch.rand(128, generator=torch.Generator().manual_seed(_mix(seed, 11)))[3] == 0.0
+    assert bool(noise.isfinite().all())
+    out = generate(llama_tiny, [5, 6, 7, 8, 9, 5, 6, 7], max_new_tokens=4, do_sample=True, forced_eos_token_id=3,
+                   eos_token_id=[], generator=torch.Generator().manual_seed(280938),
+                   config=LookaheadConfig(window=3, ngram=3, guesses=3))
+    assert out.sequences[0, -1].item() == 3
 
 
 @pytest.fixture(scope="module")

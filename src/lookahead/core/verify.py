@@ -91,7 +91,9 @@ def greedy_choice(scores: torch.Tensor, candidates: list[tuple[int, int]], posit
 def gumbel_noise(seed: int, position: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Standard Gumbel noise for one position of one sequence: a function of (seed, position) alone."""
     generator = torch.Generator(device=device).manual_seed(_mix(seed, position))
-    uniform = torch.rand(size, generator=generator, device=device)
+    # rand draws an exact 0 once in 2**24: its noise, -inf, would rule out its token (the only one a processor left
+    # possible, say, leaving every score -inf and argmax token 0). The smallest normal float stands in for 0.
+    uniform = torch.rand(size, generator=generator, device=device).clamp_(min=torch.finfo(torch.float32).tiny)
     return -torch.log(-torch.log(uniform))
 
 
