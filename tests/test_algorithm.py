@@ -788,3 +788,24 @@ def test_the_accelerator_branches_agree_with_the_host():
     assert noise.device.type == "cuda" and torch.equal(noise, gumbel_noise(3, 7, 50, "cuda"))
     assert not torch.equal(noise, gumbel_noise(3, 8, 50, "cuda"))  # another position
     assert not torch.equal(noise, gumbel_noise(4, 7, 50, "cuda"))  # another seed
+
+
+def test_a_draft_sources_drafts_are_checked_and_their_tokens_made_ints():
+    """`_checked_drafts`: what a caller's draft source returns, as the decoder keeps it (a survivor of a mutation
+    run: only tests through `generate`, outside the mutation selection, had checked it)."""
+    from lookahead.core.decoder import _checked_drafts
+
+    kept = _checked_drafts([Draft(np.array([5, 6]), "mine", 0), Draft((np.int64(7),), "mine", 3)], "mine", 10)
+    assert kept == [Draft((5, 6), "mine", 0), Draft((7,), "mine", 3)] and type(kept[0].tokens[0]) is int
+    for proposed, error, message in [
+        ([Draft((5,), "mine"), (5,)], TypeError, "draft source 'mine': propose\\(\\) must return a list of lookahead Drafts"),
+        (Draft((5,), "mine"), TypeError, "must return a list of lookahead Drafts"),
+        ([Draft(5, "mine")], TypeError, "draft source 'mine' proposed tokens=5, not a sequence of token ids"),
+        ([Draft((5,), "mine", -1)], ValueError, "proposed a draft of context=-1: the number of the text's last tokens "
+                                                "it matched must be an integer >= 0"),
+        ([Draft((5,), "mine", None)], ValueError, "context=None"),
+        ([Draft((5, 2.5), "mine")], ValueError, "proposed 2.5 \\(float\\), not a token id"),
+        ([Draft((5, 10), "mine")], ValueError, "proposed token id 10, outside the model's vocabulary \\[0, 10\\)"),
+    ]:
+        with pytest.raises(error, match=message):
+            _checked_drafts(proposed, "mine", 10)

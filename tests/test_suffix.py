@@ -356,3 +356,23 @@ def test_a_refused_corpus_document_is_told_what_a_document_is_in_full():
         Corpus(max_megabytes=1).add([1, -1])
     assert str(refused.value) == ("a corpus document must be a 1-D sequence of token ids (integers >= 0), e.g. a "
                                   "tokenizer's input_ids for one text; got list")
+
+
+def test_a_corpus_serves_one_vocabulary_and_refuses_ids_outside_it():
+    """At the boundaries: the largest id a vocabulary of 10 takes is 9 (survivors of a mutation run, checked
+    only through `generate` before)."""
+    corpus = Corpus()
+    corpus.add([3, 9])
+    with pytest.raises(ValueError, match=r"the corpus holds token id 9, outside the model's vocabulary \[0, 9\)"):
+        corpus.serve(9)
+    assert corpus.vocabulary is None
+    corpus.serve(10)
+    corpus.serve(10)  # the same size again
+    assert corpus.vocabulary == 10
+    with pytest.raises(ValueError, match=r"serves models of a 10-token vocabulary, and this model's has 11 tokens"):
+        corpus.serve(11)
+    corpus.add([])  # nothing outside it
+    with pytest.raises(ValueError, match=r"a corpus document holds token id 10, outside the vocabulary \[0, 10\)"):
+        corpus.add([4, 10])
+    corpus.add([9, 0])
+    assert Corpus(max_megabytes=2**40).max_tokens > 0  # the largest cap allowed
