@@ -798,7 +798,8 @@ def test_a_draft_sources_drafts_are_checked_and_their_tokens_made_ints():
     kept = _checked_drafts([Draft(np.array([5, 6]), "mine", 0), Draft((np.int64(7),), "mine", 3)], "mine", 10)
     assert kept == [Draft((5, 6), "mine", 0), Draft((7,), "mine", 3)] and type(kept[0].tokens[0]) is int
     for proposed, error, message in [
-        ([Draft((5,), "mine"), (5,)], TypeError, "draft source 'mine': propose\\(\\) must return a list of lookahead Drafts"),
+        ([Draft((5,), "mine"), (5,)], TypeError,
+         "draft source 'mine': propose\\(\\) must return a list of lookahead Drafts"),
         (Draft((5,), "mine"), TypeError, "must return a list of lookahead Drafts"),
         ([Draft(5, "mine")], TypeError, "draft source 'mine' proposed tokens=5, not a sequence of token ids"),
         ([Draft((5,), "mine", -1)], ValueError, "proposed a draft of context=-1: the number of the text's last tokens "

@@ -130,7 +130,8 @@ def test_bench_corpus_refuses_an_unknown_pair(tiny_dir):
         (["--config", "50,4,5"], "window x (ngram - 1) must be below 128"),
         (["--config", "auto", "--config", "auto:5"], "each method once: lookahead-auto given twice"),
         (["--config", "1,1,1"], "ngram must be an integer >= 2"),
-        (["--config", "2,4,\u00b2"], "expected W,N,G (three integers)"),  # a digit to str.isdigit, not to int(): a traceback
+        # a digit to str.isdigit, not to int(): it had ended in a traceback
+        (["--config", "2,4,\u00b2"], "expected W,N,G (three integers)"),
         (["--config", "auto:\u00b2"], "expected auto:W with W an integer >= 0"),
         (["--baselines", "greedy,beam"], "unknown ['beam']"),
         (["--dataset", "mt_bench", "--category", "poetry"], "'poetry' is not in mt_bench"),

@@ -749,10 +749,12 @@ def _check_config_processors(model: PreTrainedModel, options: DecodingOptions, s
     one-token prompt, with a generator of their own: the caller's is not drawn from)."""
     config = options.config(model)
     vocabulary = vocabulary_size(model)
+    def token_id(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocabulary
+
     for name in ("forced_bos_token_id", "forced_eos_token_id"):
         value = getattr(config, name, None)
-        if value is not None and not list_of(value if isinstance(value, (list, tuple)) else [value],
-                                             lambda i: isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocabulary):
+        if value is not None and not list_of(value if isinstance(value, (list, tuple)) else [value], token_id):
             raise ValueError(f"{name} (generation config) must be a token id in [0, {vocabulary}), got {value!r}")
     for name in ("min_length", "min_new_tokens", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size"):
         if getattr(config, name, None) is not None:
@@ -762,8 +764,8 @@ def _check_config_processors(model: PreTrainedModel, options: DecodingOptions, s
         raise ValueError(f"exponential_decay_length_penalty (generation config) must be a pair (start index, decay "
                          f"factor), got {decay!r}")
     try:
-        decoding_rule(model, dataclasses.replace(options, generator=torch.Generator()), torch.zeros(1, dtype=torch.long),
-                      1, stops)
+        decoding_rule(model, dataclasses.replace(options, generator=torch.Generator()),
+                      torch.zeros(1, dtype=torch.long), 1, stops)
     except (TypeError, ValueError, IndexError) as error:
         raise ValueError(f"the generation config's options cannot be applied: {error}") from error
 

@@ -14,8 +14,8 @@ from transformers import (GenerationConfig, LogitsProcessor, MaxTimeCriteria, Pr
 from .config import LookaheadConfig
 from .core.drafts import Proposer
 from .core.suffix import Corpus
-from .engine import (Engine, GenerateOutput, GenerationStats, RequestParams, as_token_tensor, check_padding, check_params,
-                     check_request, eos_ids, StoppingCriterion, pad_id, stop_token_list)
+from .engine import (Engine, GenerateOutput, GenerationStats, RequestParams, as_token_tensor, check_padding,
+                     check_params, check_request, eos_ids, StoppingCriterion, pad_id, stop_token_list)
 from .hf import check_model
 from .arguments import checked_int, checked_number, integer
 from .sampling import (check_generation_config, merged_by_type, unsupported_option, unsupported_search,
