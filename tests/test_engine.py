@@ -608,6 +608,50 @@ def test_a_step_interrupted_while_committing_ends_the_requests_it_reached(llama_
     assert engine.store.lengths == [0] * 3 and not engine.has_unfinished()
 
 
+@pytest.mark.parametrize("failure", [MemoryError("no room for the corpus"), KeyboardInterrupt()],
+                         ids=["exception", "interrupt"])
+def test_a_corpus_failing_to_take_a_finished_reply_loses_no_token_of_the_step(llama_tiny, failure):
+    """A step's tokens are committed before its requests are finished; a finished request's corpus raising there had
+    dropped every report of the step: that request never ended, the others decoded on without the step's tokens.
+    Now an exception ends that request with its tokens and the error; an interrupt brings the step's reports with
+    the next step. Either way every request's tokens are its greedy output, and the slots are freed."""
+    from lookahead import Corpus
+
+    class FailsOnce(Corpus):
+        failed = False
+
+        def add(self, tokens):
+            if not FailsOnce.failed:
+                FailsOnce.failed = True
+                raise failure
+            super().add(tokens)
+
+    engine = Engine(llama_tiny, max_batch=3)
+    prompts = prompts_of([9, 5, 12], seed=18)
+    lengths = [1, 12, 12]  # the first finishes at the first step, beside the others
+    ids = [engine.add_request(p, RequestParams(max_new_tokens=n, eos_token_id=[], config=LookaheadConfig(),
+                                               corpus=FailsOnce() if i == 0 else None))
+           for i, (p, n) in enumerate(zip(prompts, lengths))]
+    outputs: dict[int, list[int]] = {}
+    errors: dict[int, BaseException] = {}
+    ended: set[int] = set()
+    while engine.has_unfinished():
+        try:
+            for output in engine.step():
+                outputs.setdefault(output.request_id, []).extend(output.tokens)
+                ended |= {output.request_id} if output.finished else set()
+                if output.error is not None:
+                    errors[output.request_id] = output.error
+        except KeyboardInterrupt:
+            assert isinstance(failure, KeyboardInterrupt)
+    assert FailsOnce.failed and ended == set(ids)
+    assert errors == ({ids[0]: failure} if isinstance(failure, Exception) else {})
+    for rid, prompt, n in zip(ids, prompts, lengths):
+        expected = reference_greedy(llama_tiny, prompt.view(1, -1), n, eos_token_id=[])[0, prompt.numel():]
+        assert outputs[rid] == expected.tolist(), rid
+    assert engine.store.lengths == [0] * 3
+
+
 def test_a_failed_generate_ends_its_stream(llama_tiny):
     """A reader of transformers' `TextIteratorStreamer` waits for the stream's end: a `generate` that fails
     ends it too, then raises."""

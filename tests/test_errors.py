@@ -122,6 +122,27 @@ def test_falcon_with_alibi_is_refused():
         generate(model, [1, 2, 3])
 
 
+def test_a_sliding_window_the_models_attention_ignores_is_refused_and_none_decodes_as_generate():
+    """Llama's attention ignores a config's sliding_window (a config derived from Mistral's may carry one), but
+    transformers' cache keeps only that many tokens after the prompt: generate attends fully over the prompt and
+    through the window after it. Masked by the window everywhere, lookahead's first token differed from generate's;
+    unmasked, its second. Refused up front; with the key unset, both attend fully and agree."""
+    from conftest import _COMMON, peaked
+
+    torch.manual_seed(0)
+    model = peaked(LlamaForCausalLM(LlamaConfig(**_COMMON, sliding_window=8)), 0.15)
+    prompt = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM's attention ignores its config's sliding_window=8"
+                                                    ", but transformers' cache applies it"):
+        generate(model, prompt, max_new_tokens=10)
+    model.config.sliding_window = None
+    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(model, prompt, max_new_tokens=10, eos_token_id=[]).sequences, expected)
+    wide = LlamaForCausalLM(LlamaConfig(**_COMMON, sliding_window=512)).eval()  # the whole context: no matter
+    generate(wide, [5, 6, 7], max_new_tokens=2)
+
+
 def test_not_a_model_is_refused():
     with pytest.raises(UnsupportedModelError, match="must be a transformers causal LM"):
         generate(torch.nn.Linear(2, 2), [1, 2, 3])

@@ -356,7 +356,7 @@ class Engine:
                 try:
                     return reports + self._step()
                 except BaseException:  # a failed forward, say: the ends of the interrupted ones come with the next step
-                    self._unreported = reports
+                    self._unreported = reports + self._unreported  # (and the reports of a step interrupted once done)
                     raise
             finally:
                 self._stepping = False
@@ -447,16 +447,26 @@ class Engine:
         self._laps("commit")
         self.stats.accepted_per_step.append(sum(len(output[1]) for output in outputs))
         self.stats.new_tokens += self.stats.accepted_per_step[-1]
-        reports = []
+        reports, interruption = [], None
         for request, tokens, finished, scores, logits in outputs:
             if request.id in failed:
                 self._free(request)
                 reports.append(StepOutput(request.id, [], True, error=failed[request.id]))
                 continue
-            stats = self._finish(request) if finished else None
-            reports.append(StepOutput(request.id, tokens, finished, stats, scores=scores, logits=logits))
+            stats, error = None, None
+            if finished:
+                try:
+                    stats = self._finish(request)
+                except Exception as failure:  # noqa: BLE001 - its corpus refused its text (a MemoryError, say): it
+                    stats, error = request.stats, failure  # ends with its tokens and that error
+                except BaseException as failure:  # an interrupt: every report of the step comes with the next one
+                    stats, interruption = request.stats, interruption or failure
+            reports.append(StepOutput(request.id, tokens, finished, stats, error, scores, logits))
         self.stats.forward_seconds = self.runner.forward_seconds
         self.stats.compile_seconds = sum(self.runner.compile_seconds.values())
+        if interruption is not None:
+            self._unreported = reports
+            raise interruption
         return reports
 
     def _plans(self, decoding: list[_Request]) -> tuple[list[StepPlan], bool, bool, bool]:
@@ -570,13 +580,16 @@ class Engine:
             request.prefilled += chunk
 
     def _finish(self, request: _Request) -> GenerationStats:
+        """Free a request that ended, its text added to its corpus (the slot is freed whatever the corpus raises)."""
         stats = request.stats
         stats.new_tokens = len(request.generated)
         stats.accepted_by_source = dict(request.decoder.accepted_by_source)
         stats.seconds = time.perf_counter() - request.started
-        if request.params.corpus is not None:
-            request.params.corpus.add(request.prompt.tolist() + request.generated)
-        self._free(request)
+        try:
+            if request.params.corpus is not None:
+                request.params.corpus.add(request.prompt.tolist() + request.generated)
+        finally:
+            self._free(request)
         return stats
 
     def _free(self, request: _Request) -> None:
@@ -584,6 +597,7 @@ class Engine:
         requests keep to the first slots and a step reads the store without gathering."""
         slot = request.slot
         self._interrupted.pop(request.id, None)
+        self._proposal_errors.pop(request.id, None)
         self._slots[slot] = None
         self.store.release(slot)
         last = max((i for i, r in enumerate(self._slots) if r is not None), default=-1)

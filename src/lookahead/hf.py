@@ -7,6 +7,7 @@ import functools
 import inspect
 import itertools
 import os
+import sys
 import threading
 import time
 import timeit
@@ -432,6 +433,15 @@ def check_model(model: PreTrainedModel) -> None:
     if getattr(config, "alibi", False):  # Falcon's ALiBi: positions read from a 2-D mask, not from position_ids
         raise UnsupportedModelError(f"{type(model).__name__} with alibi=True takes its positions from a 2-D attention "
                                     "mask; lookahead steps need position_ids and a 4-D mask")
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "layer_types", None) is None and not _masks_by_sliding_window(model):
+        context = context_length(model)
+        if context is None or window < context:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}'s attention ignores its config's sliding_window={window}, but transformers' "
+                "cache applies it to the steps of generate after the prompt (not to the prompt), a mix lookahead does "
+                "not reproduce; set model.config.sliding_window = None (full attention, the model as built: generate "
+                "then agrees)")
     parameters = inspect.signature(model.forward).parameters
     if _cache_argument(parameters) not in parameters or "position_ids" not in parameters:
         raise UnsupportedModelError(f"{type(model).__name__}.forward must accept attention_mask, position_ids and a cache")
@@ -551,6 +561,18 @@ def _freezing() -> AbstractContextManager:
     return torch._inductor.config.patch(freezing=True)
 
 
+def _masks_by_sliding_window(model: PreTrainedModel) -> bool:
+    """Whether a model whose config names no layer types masks attention to its config's `sliding_window`: those of
+    transformers that do build their masks with `create_sliding_window_causal_mask`; the others (Llama, OLMo 2,
+    GPT-NeoX, ...) ignore the key in attention, which a config may carry all the same (one derived from Mistral's,
+    say; `check_model` refuses them where it would matter). A model of code from elsewhere is taken at its config's
+    word."""
+    classes = {type(model), type(getattr(model, "base_model", model))}
+    if not all(c.__module__.startswith("transformers.") for c in classes):
+        return True
+    return any(hasattr(sys.modules.get(c.__module__), "create_sliding_window_causal_mask") for c in classes)
+
+
 class HFModelRunner:
     """Wraps a causal LM; all lookahead glue that knows about transformers lives here."""
 
@@ -566,7 +588,8 @@ class HFModelRunner:
         self.keeps_some_logits = "logits_to_keep" in parameters
         # Sliding-window layers get a mask limited to the window; the cache itself keeps everything.
         window = getattr(config, "sliding_window", None)
-        uses_sliding = self.layer_types is None or "sliding_attention" in self.layer_types
+        uses_sliding = ("sliding_attention" in self.layer_types if self.layer_types is not None
+                        else _masks_by_sliding_window(model))
         self.sliding_window: int | None = window if (window and uses_sliding) else None
         self.model = model
         self.device = model.device
