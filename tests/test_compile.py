@@ -789,3 +789,17 @@ def test_each_model_compiles_its_own_graphs_and_a_changed_model_compiles_again(l
     assert lookahead.hf._compiled_forward(twin, "default", "frozen") is not first
     assert lookahead.hf._compiled_forward(llama_tiny, "default", "as-is") is not first
     assert lookahead.hf._compiled_forward(twin.to(torch.bfloat16), "default", "as-is") is not first
+
+
+@pytest.mark.slow  # 15-25 s: dynamo compiles the step shapes as they come
+def test_a_model_whose_owner_compiled_its_forward_decodes_as_greedy_generate():
+    """`model.forward = torch.compile(model.forward)`, as transformers documents it: the first forward, traced by
+    dynamo, allocates the KV store's buffers, and marking them dynamic there was refused (a crash at the first
+    step)."""
+    model = make_tiny_model("llama")
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    expected = reference_greedy(model, prompt, 10, eos_token_id=[])
+    model.forward = torch.compile(model.forward)
+    out = generate(model, prompt, max_new_tokens=10, eos_token_id=[], config=LookaheadConfig(3, 3, 3),
+                   packed_linear=False)
+    assert torch.equal(out.sequences, expected)

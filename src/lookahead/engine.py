@@ -535,10 +535,13 @@ class Engine:
 
     def _admit(self) -> None:
         while self._waiting and None in self._slots:
-            request = self._waiting.popleft()
+            request = self._waiting[0]
             request.started = time.perf_counter()
             request.slot = self._slots.index(None)
+            # In its slot before it leaves the queue: another thread's `has_unfinished` (read without the lock, as a
+            # server's event loop reads `running` and `waiting`) never finds it in neither.
             self._slots[request.slot] = request
+            self._waiting.popleft()
 
     def _decoding(self) -> list[_Request]:
         """The requests in slots whose prompts are all in, in slot order."""

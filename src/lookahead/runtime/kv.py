@@ -74,9 +74,12 @@ class KVStore(Cache):
             self.key_buffers[layer_idx] = key_states.new_zeros(shape)
             self.value_buffers[layer_idx] = value_states.new_zeros(
                 (self.slots, value_states.shape[1], self.capacity, value_states.shape[-1]))
+            # Stores of any number of slots share graphs; not while dynamo traces the forward that allocates them (a
+            # model whose forward its owner compiled), where the call is refused.
             for buffer in (self.key_buffers[layer_idx], self.value_buffers[layer_idx]):
-                torch._dynamo.maybe_mark_dynamic(buffer, 0)  # stores of any number of slots share graphs
-                torch._dynamo.maybe_mark_dynamic(buffer, 2)
+                if not torch.compiler.is_compiling():
+                    torch._dynamo.maybe_mark_dynamic(buffer, 0)
+                    torch._dynamo.maybe_mark_dynamic(buffer, 2)
         return (self._write_and_read(self.key_buffers[layer_idx], key_states),
                 self._write_and_read(self.value_buffers[layer_idx], value_states))
 
