@@ -1531,3 +1531,50 @@ def test_a_text_too_long_to_fit_is_refused_without_tokenizing_it(server, default
         assert code == 400 and reply["error"]["param"] == field and reply["error"]["code"] == "context_length_exceeded"
         assert f"holds {limit + 1} characters of text" in reply["error"]["message"]
     assert not calls
+
+
+def _sentencepiece_tokenizer():
+    """A Llama 2-style tokenizer built here: BPE over '▁'-marked words with byte fallback, a BOS added to every
+    text, and a decoder that strips a text's leading space."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaTokenizer
+
+    texts = ["Hello world, this is a test of the tokenizer.", "The quick brown fox jumps over the lazy dog.",
+             "What is the capital of France? Paris is the capital of France."] * 20
+    trained = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
+    trained.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                           show_progress=False))
+    model = json.loads(trained.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece, _ in sorted(model["vocab"].items(), key=lambda item: item[1]):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return LlamaTokenizer(vocab=vocab, merges=merges, add_bos_token=True)
+
+
+def test_a_sentencepiece_reply_keeps_its_first_space_and_echo_offsets_skip_the_bos():
+    """Decoded alone, a reply's first word lost its space ("world," then "the": the decoder strips a text's
+    leading space), so the echo read "world,the" and a stop string starting with a space went unseen; an echo's
+    offsets counted the BOS token's text, which the echoed text does not hold, moving every one after it."""
+    from conftest import _COMMON, peaked
+    from fastapi.testclient import TestClient
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _sentencepiece_tokenizer()
+    torch.manual_seed(0)
+    model = peaked(LlamaForCausalLM(LlamaConfig(**{**_COMMON, "vocab_size": len(tokenizer)})), 0.15)
+    the = tokenizer.convert_tokens_to_ids("\u2581the")
+    body = {"model": MODEL, "prompt": "Hello world,", "max_tokens": 3, "temperature": 0, "logit_bias": {str(the): 100}}
+    with TestClient(create_app(model, tokenizer, model_name=MODEL, max_batch=2, max_length=128)) as http:
+        reply = http.post("/v1/completions", json=body).json()["choices"][0]
+        assert reply["text"] == " the the the"
+        echoed = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 0}).json()["choices"][0]
+        assert echoed["text"] == "Hello world, the the the"
+        offsets, tokens = echoed["logprobs"]["text_offset"], echoed["logprobs"]["tokens"]
+        assert tokens == ["<s>", " Hello", " world,", " the", " the", " the"] and offsets == [0, 0, 5, 12, 16, 20]
+        cut = http.post("/v1/completions", json={**body, "prompt": "Hello world, the", "stop": [" the the"]}).json()
+        assert cut["choices"][0]["text"] == "" and cut["choices"][0]["finish_reason"] == "stop"
+        streamed = http.post("/v1/completions", json={**body, "stream": True}).text
+        pieces = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+        assert "".join(p["choices"][0]["text"] for p in pieces if p["choices"]) == " the the the"

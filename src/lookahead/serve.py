@@ -747,7 +747,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                              seed=body.seed if sampled else None,
                              corpus=corpus, output_logits=body.logprobs_asked() is not None,
                              logits_processor=[penalties] if penalties is not None else None,
-                             stopping_criteria=[_ReplyStop(tokenizer, stops, prompt.numel())] if stops else None)
+                             stopping_criteria=[_ReplyStop(tokenizer, stops, prompt)] if stops else None)
 
     async def run(request: Request, body: RequestBody, prompt: torch.Tensor, params: RequestParams, chat: bool,
                   text: str = "", alone: bool = True):
@@ -762,7 +762,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         rid, stream = await engine_loop.add(prompt, params) if params.max_new_tokens else (None, None)
         if echoed and logprobs is not None:  # the reply's tokens meanwhile wait in `stream`
             try:
-                logprobs.add_prompt(prompt.tolist(), await score_prompt(prompt))
+                logprobs.add_prompt(prompt.tolist(), await score_prompt(prompt), echoed)
             except BaseException:
                 if rid is not None:
                     engine_loop.abort(rid)
@@ -770,7 +770,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         if alone:
             metrics.requests.labels("chat" if chat else "completions").inc()
         metrics.prompt_tokens.inc(prompt.numel())
-        reply = _Reply(tokenizer, stops, eos_ids(model, params.eos_token_id))
+        reply = _Reply(tokenizer, stops, eos_ids(model, params.eos_token_id),
+                       reply_context(tokenizer, prompt.tolist()))
         steps = 0  # decoding steps that gave this request tokens
         name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
@@ -1061,8 +1062,10 @@ class _Reply:
     each step spent 0.59 s in the tokenizer), released up to the last complete character, cut at the first
     stop string."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str], stop_ids: Iterable[int] = ()) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str], stop_ids: Iterable[int] = (),
+                 context: list[int] = ()) -> None:
         self.tokenizer, self.stops, self.stop_ids = tokenizer, [s for s in stops if s], set(stop_ids)
+        self.context = list(context)  # the prompt's last tokens, which the reply's first ones are decoded after
         self.ids: list[int] = []
         self.text = ""  # the text of every token so far whose characters are complete
         self.sent = ""
@@ -1108,20 +1111,21 @@ class _Reply:
         piece, self.sent = text[len(self.sent):], text
         return piece
 
-    def _decode(self, ids: list[int]) -> str:
-        return _reply_text(self.tokenizer, ids)
+    def _decode(self, start: int, end: int | None = None) -> str:
+        """The text of the reply's tokens start..end, read after the tokens before them (the prompt's at the start)."""
+        return _text_after(self.tokenizer, self.context if start == 0 else [], self.ids[start:end])
 
     def _decode_new(self, finished: bool) -> None:
         """Extend `text` by the new tokens' complete characters (all of them once `finished`)."""
-        settled = self._decode(self.ids[self._window:self._read])
-        grown = self._decode(self.ids[self._window:])
+        settled = self._decode(self._window, self._read)
+        grown = self._decode(self._window)
         if len(grown) > len(settled) and (finished or not grown.endswith("\ufffd")):
             self.text += grown[len(settled):]
             self._window, self._read = self._read, len(self.ids)
 
     def _cut(self, count: int) -> str | None:
         """The text of the first `count` tokens up to the earliest stop string in it; None if it has none."""
-        text = self._decode(self.ids[:count])
+        text = self._decode(0, count)
         found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
         return text[:min(found)] if found else None
 
@@ -1133,13 +1137,15 @@ class _ReplyStop(StoppingCriteria):
     are decoded: a stop string in their text is in the whole reply's too (decoding from a later token only
     drops characters in front), and one spread over more tokens is left to the reader."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str], prompt_length: int) -> None:
-        self.tokenizer, self.stops, self.prompt_length = tokenizer, stops, prompt_length
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str], prompt: torch.Tensor) -> None:
+        self.tokenizer, self.stops, self.prompt_length = tokenizer, stops, prompt.numel()
+        self.context = reply_context(tokenizer, prompt.tolist())  # as `_Reply` reads the reply's start
         self.window = 2 * max(map(len, stops)) + 4  # tokens: most pieces hold a character or more
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs) -> torch.Tensor:
-        tail = input_ids[0, self.prompt_length:][-self.window:].tolist()
-        text = _reply_text(self.tokenizer, tail)
+        reply = input_ids[0, self.prompt_length:]
+        tail = reply[-self.window:].tolist()
+        text = _text_after(self.tokenizer, self.context if len(tail) == reply.numel() else [], tail)
         return torch.tensor([any(stop in text for stop in self.stops)])
 
 
@@ -1147,6 +1153,26 @@ def _reply_text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
     # Without the legacy clean-up of spaces (" ." -> "."), which a later token can undo in text already sent;
     # the same decoding for pieces and stop strings.
     return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+# The prompt's last tokens a reply is decoded after, as vLLM primes its detokenizer with the prompt's last 5.
+REPLY_CONTEXT = 4
+
+
+def reply_context(tokenizer: PreTrainedTokenizerBase, prompt: list[int]) -> list[int]:
+    """The prompt's last tokens, which a reply's text is read after (`_text_after`); none where they end inside a
+    character (a prompt of token ids cut there), whose completion by the reply the subtraction would lose."""
+    context = prompt[-REPLY_CONTEXT:]
+    return [] if _reply_text(tokenizer, context).endswith("\ufffd") else context
+
+
+def _text_after(tokenizer: PreTrainedTokenizerBase, context: list[int], ids: list[int]) -> str:
+    """The text of `ids` as it reads after the tokens `context`: a SentencePiece decoder (Llama 2's, Mistral's)
+    drops a word's leading space at the start of a text, which a reply's first word keeps after its prompt
+    ("world," then " the", not "the")."""
+    if not context:
+        return _reply_text(tokenizer, ids)
+    return _reply_text(tokenizer, context + ids)[len(_reply_text(tokenizer, context)):]
 
 
 def _stop_started(text: str, stops: list[str]) -> int:
@@ -1179,24 +1205,31 @@ class _Logprobs:
         self.echoed = 0  # the prompt's tokens, first (`add_prompt`): indices below count them
         self._special = frozenset(tokenizer.all_special_ids)
 
-    def add_prompt(self, tokens: list[int], logits: torch.Tensor) -> None:
+    def add_prompt(self, tokens: list[int], logits: torch.Tensor, text: str) -> None:
         """An echoed prompt's tokens, before any of the reply's: the first has no log-probability (nothing
-        before it), each other one's from `logits` ([len(tokens) - 1, vocab]: after each token but the last)."""
+        before it), each other one's from `logits` ([len(tokens) - 1, vocab]: after each token but the last).
+        `text`: the prompt's echoed text. Where the tokenizer finds these tokens in it, their offsets are where it
+        found them: a BOS token it added, or the space SentencePiece puts before the first word, is no character
+        of the text, and counted by the tokens' own texts they had moved every offset after them."""
         self.chosen.append((tokens[0], None))
         self.likeliest.append(None)
-        self._add_texts(tokens[:1], reply=False)
-        self._add(tokens[1:], logits, reply=False)
+        self._score(tokens[1:], logits)
+        found = _offsets_in(self.tokenizer, text, tokens)
+        if found is None:
+            self._add_texts(tokens, reply=False)
+        else:
+            self.offsets = found + [len(text)]
         self.echoed = len(tokens)
 
     def add(self, tokens: list[int], logits: torch.Tensor) -> None:
         """The reply's next tokens."""
-        self._add(tokens, logits, reply=True)
+        self._score(tokens, logits)
+        self._add_texts(tokens, reply=True)
 
-    def _add(self, tokens: list[int], logits: torch.Tensor, reply: bool) -> None:
+    def _score(self, tokens: list[int], logits: torch.Tensor) -> None:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         picked = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
         self.chosen += zip(tokens, picked)
-        self._add_texts(tokens, reply)
         if self.top:
             values, ids = logprobs.topk(self.top, dim=-1)
             self.likeliest += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
@@ -1235,6 +1268,24 @@ class _Logprobs:
             text = "bytes:" + "".join(chr(byte) if 32 <= byte < 127 and byte != 92 else f"\\x{byte:02x}"
                                       for byte in raw)
         return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+
+def _offsets_in(tokenizer: PreTrainedTokenizerBase, text: str, tokens: list[int]) -> list[int] | None:
+    """Where each of `tokens` starts in `text`, by the offsets a fast tokenizer reports; a token it added (a BOS)
+    starts where the text before it ends. None where the tokenizer has no offsets or makes other tokens of the
+    text (a prompt given as token ids that do not spell their decoded text back)."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    encoded = tokenizer(text, return_offsets_mapping=True)
+    if list(encoded["input_ids"]) != tokens:
+        return None
+    starts, end = [], 0
+    for start, stop in encoded["offset_mapping"]:
+        # An added token has no span, (0, 0); the pieces of one character share its span, and those before the
+        # piece that completes it start where it does (as `_Logprobs._add_texts` counts a reply's).
+        starts.append(max(start, starts[-1] if starts else 0) if stop > start else end)
+        end = max(end, stop)
+    return starts
 
 
 class _PromptScorer:
