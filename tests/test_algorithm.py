@@ -810,3 +810,39 @@ def test_a_draft_sources_drafts_are_checked_and_their_tokens_made_ints():
     ]:
         with pytest.raises(error, match=message):
             _checked_drafts(proposed, "mine", 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_top_tokens_read_any_float_rows_as_torchs_argmax_and_the_next_best(dtype):
+    """bfloat16 rows are widened by their bits in numpy (torch's conversion woke its thread pool: up to
+    milliseconds a call after a forward): the same float32 values, so the same picks, ties, infinities, NaN,
+    negative zero and a non-contiguous view included; float32 rows are not written to."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 40, generator=generator).to(dtype)
+    logits[1, [3, 9]] = 5.0  # a tie: the first maximum
+    logits[2, 7], logits[3, 11], logits[4, :] = float("inf"), float("nan"), -0.0
+    logits[5, :] = float("-inf")
+    for rows in (logits, logits[:, ::2]):
+        before = rows.clone()
+        picks = top_tokens(rows, 3)
+        widened = rows.float().numpy()
+        assert picks[:, 0].tolist() == widened.argmax(axis=-1).tolist()
+        masked = widened.copy()
+        masked[np.arange(len(masked)), picks[:, 0].numpy()] = -np.inf
+        assert picks[:, 1].tolist() == masked.argmax(axis=-1).tolist()
+        assert torch.equal(rows, before) or bool(before.isnan().any())
+
+
+def test_a_steps_logit_rows_are_gathered_as_torch_indexes_them():
+    """`StepLogits.of` gathers a sequence's rows in numpy, by their bits (torch's gather woke its thread pool)."""
+    from lookahead.runtime.batch import StepLogits, _gathered
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        rows = torch.randn(7, 30).to(dtype)
+        index = torch.tensor([4, 0, 4, 6])
+        gathered = _gathered(rows, index)
+        assert gathered.dtype == dtype and torch.equal(gathered, rows[index])
+        gathered[0] = 0  # a copy
+        assert not torch.equal(rows[4], gathered[0]) or bool((rows[4] == 0).all())
+        computed = rows.view(1, 7, 30)
+        assert torch.equal(StepLogits(computed, None).of(0, torch.tensor([1, 5])), rows[[1, 5]])

@@ -1001,16 +1001,17 @@ def test_chat_logprobs_are_the_models_streamed_or_not(server, default_model):
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)
 
 
-def test_a_special_token_in_the_reply_moves_no_text_offset(server, default_model):
+@pytest.mark.parametrize("name", ["<|im_start|>", "<file_sep>"])  # named special, and only added as special
+def test_a_special_token_in_the_reply_moves_no_text_offset(server, default_model, name):
     """The reply's text leaves special tokens out; its offsets counted each one's text (12 characters for
     "<|im_start|>"), so every later offset pointed past the text."""
     url, _ = server
     _, tokenizer = default_model
-    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    special = tokenizer.convert_tokens_to_ids(name)
     reply = client(url).completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0, logprobs=0,
                                            logit_bias={str(special): 100})
     logprobs = reply.choices[0].logprobs
-    assert logprobs.tokens == ["<|im_start|>"] * 4 and reply.choices[0].text == ""
+    assert logprobs.tokens == [name] * 4 and reply.choices[0].text == ""
     assert logprobs.text_offset == [0, 0, 0, 0]
 
 

@@ -66,6 +66,23 @@ def test_a_length_penalty_without_stop_tokens_changes_nothing_as_in_generate():
     assert generate(model, PROMPT, **options).sequences.tolist() == expected.tolist() == [PROMPT[0].tolist() + free_run()]
 
 
+@pytest.mark.parametrize("name, value", [("forced_bos_token_id", 128), ("forced_bos_token_id", -1),
+                                         ("forced_eos_token_id", torch.tensor(3)), ("min_new_tokens", -1),
+                                         ("min_new_tokens", True), ("min_length", -1), ("no_repeat_ngram_size", -1),
+                                         ("encoder_no_repeat_ngram_size", -2),
+                                         ("exponential_decay_length_penalty", (5, 1.1, 0))])
+def test_generation_config_values_generate_takes_are_taken(name, value):
+    """Values generate decodes with (a forced first token acts only on a one-token prompt; sizes and lengths of 0
+    or less leave their processors out; a decay penalty reads its first two items): this session's first checks
+    of the generation config had refused them (a review of the change)."""
+    model = make_tiny_model("llama")
+    setattr(model.generation_config, name, value)
+    with torch.inference_mode():
+        expected = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=8, do_sample=False,
+                                  eos_token_id=[2], pad_token_id=0)
+    assert generate(model, PROMPT, max_new_tokens=8, eos_token_id=[2]).sequences.tolist() == expected.tolist()
+
+
 def test_a_generation_config_asking_for_another_search_is_refused():
     model = make_tiny_model("llama")
     model.generation_config.num_beams = 3

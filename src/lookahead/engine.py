@@ -761,23 +761,23 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
 
 
 def _check_config_processors(model: PreTrainedModel, options: DecodingOptions, stops: list[int]) -> None:
-    """Refuse, before any work, generation config values the processors would fail on only once built or run: the
-    token ids they force, the lengths they count, and what their constructors refuse (built here once, on a
-    one-token prompt, with a generator of their own: the caller's is not drawn from)."""
+    """Refuse, before any work, generation config values the processors would fail on only once built or run: a
+    forced end token outside the vocabulary (indexed at the last position), a decay penalty that is no pair, and
+    what the processors' constructors refuse, built here once as `generate` builds them (on a one-token prompt,
+    with a generator of their own: the caller's is not drawn from)."""
     config = options.config(model)
     vocabulary = vocabulary_size(model)
-    def token_id(value: object) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocabulary
-
-    for name in ("forced_bos_token_id", "forced_eos_token_id"):
-        value = getattr(config, name, None)
-        if value is not None and not list_of(value if isinstance(value, (list, tuple)) else [value], token_id):
-            raise ValueError(f"{name} (generation config) must be a token id in [0, {vocabulary}), got {value!r}")
-    for name in ("min_length", "min_new_tokens", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size"):
-        if getattr(config, name, None) is not None:
-            checked_int(f"{name} (generation config)", getattr(config, name), 0)
+    forced = getattr(config, "forced_eos_token_id", None)
+    if forced is not None:
+        try:
+            ids = torch.as_tensor(forced).view(-1)
+        except (TypeError, ValueError, RuntimeError):
+            ids = None
+        if ids is None or ids.dtype not in TOKEN_DTYPES or bool(((ids < 0) | (ids >= vocabulary)).any()):
+            raise ValueError(f"forced_eos_token_id (generation config) must be a token id in [0, {vocabulary}) or a "
+                             f"list of them, got {forced!r}")
     decay = getattr(config, "exponential_decay_length_penalty", None)
-    if decay is not None and not (isinstance(decay, (list, tuple)) and len(decay) == 2):
+    if decay is not None and not (isinstance(decay, (list, tuple)) and len(decay) >= 2):
         raise ValueError(f"exponential_decay_length_penalty (generation config) must be a pair (start index, decay "
                          f"factor), got {decay!r}")
     try:

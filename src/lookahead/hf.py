@@ -567,8 +567,9 @@ def _masks_by_sliding_window(model: PreTrainedModel) -> bool:
     GPT-NeoX, ...) ignore the key in attention, which a config may carry all the same (one derived from Mistral's,
     say; `check_model` refuses them where it would matter). A model of code from elsewhere is taken at its config's
     word."""
-    classes = {type(model), type(getattr(model, "base_model", model))}
-    if not all(c.__module__.startswith("transformers.") for c in classes):
+    classes = [c for c in {type(model), type(getattr(model, "base_model", model))}
+               if c.__module__.startswith("transformers.")]  # a user's subclass: its transformers base model
+    if not classes:
         return True
     return any(hasattr(sys.modules.get(c.__module__), "create_sliding_window_causal_mask") for c in classes)
 

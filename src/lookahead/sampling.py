@@ -235,7 +235,8 @@ def _config_processors(config: GenerationConfig, repetition_penalty: float, prom
     processors = LogitsProcessorList()
     prompt_length = prompt.numel()
     encoder_penalty = config.encoder_repetition_penalty not in (None, 1.0)
-    encoder_ngrams = bool(config.encoder_no_repeat_ngram_size)
+    # Sizes and lengths of 0 or less leave their processors out, as in generate.
+    encoder_ngrams = config.encoder_no_repeat_ngram_size is not None and config.encoder_no_repeat_ngram_size > 0
     # The prompt as the "encoder" ids those two read, made only where one is set; generate ignores them for
     # negative ids.
     encoder_ids = (prompt.view(1, -1).to(device) if (encoder_penalty or encoder_ngrams) and not bool((prompt < 0).any())
@@ -247,16 +248,16 @@ def _config_processors(config: GenerationConfig, repetition_penalty: float, prom
                                                                   encoder_ids))
     if repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty, prompt_ignore_length=padding or None))
-    if config.no_repeat_ngram_size:
+    if config.no_repeat_ngram_size is not None and config.no_repeat_ngram_size > 0:
         processors.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
     if encoder_ids is not None and encoder_ngrams:
         processors.append(EncoderNoRepeatNGramLogitsProcessor(config.encoder_no_repeat_ngram_size, encoder_ids))
     if config.bad_words_ids is not None:
         processors.append(NoBadWordsLogitsProcessor(config.bad_words_ids, eos or None))
     min_length = prompt_length + config.min_new_tokens if config.min_new_tokens is not None else config.min_length
-    if eos and min_length:
+    if eos and min_length is not None and min_length > 0:
         processors.append(MinLengthLogitsProcessor(min_length, eos, device=device))
-    if eos and config.min_new_tokens:
+    if eos and config.min_new_tokens is not None and config.min_new_tokens > 0:
         processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens, eos, device=device))
     if prefix_allowed_tokens_fn is not None:
         processors.append(PrefixConstrainedLogitsProcessor(prefix_allowed_tokens_fn, 1))

@@ -1203,7 +1203,10 @@ class _Logprobs:
         self.offsets = [0]  # of each token's text in the reply's, and where the next one's would start
         self._characters = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a character's first bytes
         self.echoed = 0  # the prompt's tokens, first (`add_prompt`): indices below count them
-        self._special = frozenset(tokenizer.all_special_ids)
+        # What the reply's text leaves out (`_reply_text`): every added token marked special, not only those named
+        # (SmolLM2's <file_sep>, <repo_name>, ...).
+        self._special = frozenset(tokenizer.all_special_ids) | {
+            i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
 
     def add_prompt(self, tokens: list[int], logits: torch.Tensor, text: str) -> None:
         """An echoed prompt's tokens, before any of the reply's: the first has no log-probability (nothing
