@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -301,9 +302,10 @@ def test_workers_stop_when_their_caller_is_killed(tmp_path):
     """A caller killed by a signal that runs no clean-up of its own (SIGTERM's default, as SIGKILL): its workers
     stop within a second or so, and the rendezvous folder goes with them, before the caller is reaped (a zombie's
     pid still answers)."""
-    marks, scratch = tmp_path / "marks", tmp_path / "tmp"
+    # The caller's TMPDIR short: multiprocessing's forkserver binds a socket under it, and a path of pytest's
+    # (/tmp/pytest-of-root/pytest-101/popen-gw0/test_workers_stop_.../tmp/...) ran past AF_UNIX's 107 characters.
+    marks, scratch = tmp_path / "marks", Path(tempfile.mkdtemp(prefix="lw"))
     marks.mkdir()
-    scratch.mkdir()
     script = tmp_path / "caller.py"
     script.write_text(CALLER)
     caller = subprocess.Popen([sys.executable, str(script), str(marks)], env={**os.environ, "TMPDIR": str(scratch)})
@@ -325,6 +327,7 @@ def test_workers_stop_when_their_caller_is_killed(tmp_path):
         for pid in [int(path.name) for path in marks.iterdir()]:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
