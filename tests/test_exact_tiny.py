@@ -327,6 +327,12 @@ def test_streamer_receives_prompt_then_every_committed_token(llama_tiny):
     assert recorder.chunks[0] == prompt[0].tolist()
     assert sum(recorder.chunks[1:], []) == out.sequences[0, 20:].tolist()
     assert recorder.ended
+    # A left-padded row: the prompt comes with its padding, as generate's streamer gets its input ids (it had come
+    # without).
+    padded, recorder = torch.cat([torch.zeros(1, 2, dtype=torch.long), prompt], dim=1), Recorder()
+    mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), torch.ones_like(prompt)], dim=1)
+    generate(llama_tiny, padded, attention_mask=mask, max_new_tokens=5, streamer=recorder)
+    assert recorder.chunks[0] == padded[0].tolist()
 
 
 @st.composite

@@ -146,7 +146,7 @@ def generate(
     rows: dict[str, dict[int, list[torch.Tensor]]] = {"scores": {i: [] for i in ids}, "logits": {i: [] for i in ids}}
     finished: dict[int, GenerationStats] = {}
     if streamer is not None:
-        streamer.put(checked[0].view(1, -1))
+        streamer.put(layout if layout is not None else checked[0].view(1, -1))  # a padded row with its padding
     try:
         while engine.has_unfinished():
             for output in engine.step():
