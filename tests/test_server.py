@@ -403,6 +403,16 @@ def test_without_max_tokens_a_prompt_that_fits_gets_what_is_left_of_the_context(
     assert reply.usage.prompt_tokens == 1021 and 1 <= reply.usage.completion_tokens <= 3
 
 
+def test_chat_with_a_tokenizer_without_a_chat_template_is_a_400(server, default_model, monkeypatch):
+    """The messages' texts had been joined by lines, who said what lost (vLLM answers 400 too)."""
+    url, _ = server
+    _, tokenizer = default_model
+    monkeypatch.setattr(tokenizer, "chat_template", None)
+    with pytest.raises(openai.BadRequestError, match="has no chat template to lay out messages with") as refused:
+        client(url).chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
+    assert refused.value.body["param"] == "messages"
+
+
 def test_a_chat_template_that_refuses_the_messages_is_a_400(server, default_model, monkeypatch):
     url, _ = server
     _, tokenizer = default_model

@@ -249,13 +249,14 @@ class ChatRequest(_Common):
         return sum(len(_message_text(m, i)) for i, m in enumerate(self.messages))
 
     def prompts(self, tokenizer: PreTrainedTokenizerBase, vocabulary: int) -> list[tuple[torch.Tensor, str]]:
-        """The conversation through the chat template (or its texts joined by lines without one); no text (a chat
-        reply does not echo)."""
+        """The conversation through the chat template; no text (a chat reply does not echo). 400 where the
+        tokenizer has none, as vLLM answers: its texts joined by lines, as they had been, lost who said what."""
+        if not has_chat_template(tokenizer):
+            raise APIError(400, "the model's tokenizer has no chat template to lay out messages with: send the text "
+                                "to /v1/completions as a prompt", "messages")
         turns = [{"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i),
                   **m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
                  for i, m in enumerate(self.messages)]
-        if not has_chat_template(tokenizer):
-            return [(tokenizer("\n".join(turn["content"] for turn in turns), return_tensors="pt")["input_ids"][0], "")]
         try:
             return [(encode_messages(tokenizer, turns)[0], "")]
         except jinja2.TemplateError as error:  # a template's raise_exception, e.g. "roles must alternate"
