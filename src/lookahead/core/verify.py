@@ -104,10 +104,16 @@ def greedy_choice(scores: torch.Tensor, candidates: list[tuple[int, int]], posit
 
 def gumbel_noise(seed: int, position: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Standard Gumbel noise for one position of one sequence: a function of (seed, position) alone."""
-    generator = torch.Generator(device=device).manual_seed(_mix(seed, position))
-    # rand draws an exact 0 once in 2**24: its noise, -inf, would rule out its token (the only one a processor left
+    key = _mix(seed, position)
+    if torch.device(device).type == "cpu":
+        # torch's CPU generator keeps a seed's low 32 bits only: two positions of one 32k-token sequence would share
+        # their noise one time in ten (the birthday bound), correlating their tokens. PCG64 takes all 64 bits.
+        uniform = torch.from_numpy(np.random.Generator(np.random.PCG64(key)).random(size, dtype=np.float32))
+    else:  # CUDA's Philox generator takes all 64
+        uniform = torch.rand(size, generator=torch.Generator(device=device).manual_seed(key), device=device)
+    # An exact 0 is drawn once in 2**24: its noise, -inf, would rule out its token (the only one a processor left
     # possible, say, leaving every score -inf and argmax token 0). The smallest normal float stands in for 0.
-    uniform = torch.rand(size, generator=generator, device=device).clamp_(min=torch.finfo(torch.float32).tiny)
+    uniform.clamp_(min=torch.finfo(torch.float32).tiny)
     return -torch.log(-torch.log(uniform))
 
 
