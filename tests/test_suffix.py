@@ -376,3 +376,36 @@ def test_a_corpus_serves_one_vocabulary_and_refuses_ids_outside_it():
         corpus.add([4, 10])
     corpus.add([9, 0])
     assert Corpus(max_megabytes=2**40).max_tokens > 0  # the largest cap allowed
+
+
+def test_a_corpus_match_whose_first_occurrence_ends_a_document_drafts_a_later_one():
+    """The automaton kept a state's first occurrence only: one at a document's end had nothing after it, and the
+    later document that goes on after the same tokens was never drafted from (in either of the two documents'
+    orders below, and for the shorter match of the second corpus, a state on the suffix chain)."""
+    for documents, text, draft in [([[5, 6], [5, 6, 7, 8, 9]], [1, 2, 5, 6], Draft((7, 8, 9), "corpus", 2)),
+                                   ([[5, 6, 7, 8, 9], [5, 6]], [1, 2, 5, 6], Draft((7, 8, 9), "corpus", 2)),
+                                   ([[5, 6], [8, 6], [5, 6, 7]], [9, 6], Draft((7,), "corpus", 1))]:
+        corpus = Corpus()
+        for document in documents:
+            corpus.add(document)
+        source = SuffixProposer(corpus)
+        source.observe(text, len(text))
+        assert source.propose(text, 8) == [draft], documents
+
+
+@given(documents=st.lists(st.lists(st.integers(0, 3), max_size=12), min_size=1, max_size=4),
+       text=st.lists(st.integers(0, 3), min_size=1, max_size=12))
+@settings(max_examples=300)
+def test_the_longest_corpus_match_drafts_whenever_one_of_its_occurrences_goes_on(documents, text):
+    """By brute force: where some occurrence of the text's longest match in the corpus has a token after it in its
+    document, a draft continues one such occurrence (a corpus draft, or the same tokens drafted from the text)."""
+    corpus = Corpus()
+    for document in documents:
+        corpus.add(document)
+    source = SuffixProposer(corpus, branches=1)
+    source.observe(text, len(text))
+    held = corpus.automaton.tokens
+    longest = max((n for n in range(1, len(text) + 1) if occurrences(held, text[-n:])), default=0)
+    continuations = {continuation(held, end, 4) for end in occurrences(held, text[len(text) - longest :])} - {()}
+    drafts = source.propose(text, 4)
+    assert bool(continuations & {d.tokens for d in drafts}) == bool(longest and continuations), (drafts, continuations)

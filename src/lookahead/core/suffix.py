@@ -15,7 +15,8 @@ class SuffixAutomaton:
     """The suffix automaton of a token sequence that grows at its end (Blumer et al., 1985).
 
     Each state stands for a set of substrings that end at the same positions; `end[s]` is where the
-    first occurrence of state s's substrings ends, `length[s]` the longest of them, `link[s]` the state of
+    first occurrence of state s's substrings ends (a later one where the first ends a document, before a separator:
+    a corpus's), `length[s]` the longest of them, `link[s]` the state of
     the longest suffix that ends at more positions. Appending a token is amortised O(1).
     """
 
@@ -57,7 +58,15 @@ class SuffixAutomaton:
                     self.next[state][token] = clone
                     state = self.link[state]
                 self.link[following] = self.link[current] = clone
+            self._move_off_document_ends(self.link[current], position)
         self.last = current
+
+    def _move_off_document_ends(self, state: int, position: int) -> None:
+        """States on the suffix chain from `state` (whose strings all end at `position` too) that end a document,
+        a separator after them, get this occurrence: one at a document's end has no continuation to draft."""
+        while state > 0 and self.end[state] + 1 < position and self.tokens[self.end[state] + 1] < 0:
+            self.end[state] = position
+            state = self.link[state]
 
     def _new_state(self, length: int, end: int) -> int:
         self.length.append(length)
