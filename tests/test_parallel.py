@@ -124,7 +124,8 @@ def _big_result(size: int) -> bytes:
 
 
 def test_a_result_larger_than_a_pipe_buffer_comes_back():
-    """Rank 0's result is read while the workers run (it had hung, blocked in its write, past 64 KiB)."""
+    """Rank 0's result comes back whole (through the queue it had hung, blocked in its write, past 64 KiB; it
+    comes through a file since, which a worker killed mid-write cannot leave half-sent)."""
     assert run_workers(2, _big_result, 1 << 20, threads=1) == _big_result(1 << 20)
 
 
@@ -168,6 +169,29 @@ def test_a_worker_that_dies_ends_the_run_with_a_clear_error(how, words):
     one had been named by the time-out of another)."""
     with pytest.raises(WorkerError, match=words.replace("(", r"\(")):
         run_workers(2, _fail_on_rank_one, how, threads=1, timeout=timedelta(seconds=5))
+
+
+def _exit_quietly(how: str) -> None:
+    if how == "sys.exit":
+        sys.exit(0)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("how, words", [("sys.exit", "worker [01] of 2 failed: SystemExit"),
+                                        ("os._exit", r"worker 0 of 2 exited without a result \(exit code 0\)")])
+def test_workers_that_exit_0_without_a_result_end_the_run_with_a_clear_error(how, words):
+    """Every worker exited 0 and rank 0 sent no result: the caller had raised a bare StopIteration."""
+    with pytest.raises(WorkerError, match=words):
+        run_workers(2, _exit_quietly, how, threads=1)
+
+
+def test_a_failed_run_leaves_no_file_behind(tmp_path, monkeypatch):
+    """torch's start_processes writes an error file per worker, which it never removes: each failed call had
+    left one (a traceback) per failing worker in the temporary folder."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(WorkerError, match="rank one gives up"):
+        run_workers(2, _fail_on_rank_one, "raise", threads=1)
+    assert list(tmp_path.iterdir()) == []
 
 
 def _sleep_marked(folder: str) -> None:
@@ -219,11 +243,23 @@ def _misuse(case: str) -> None:
     if case in ("stop_strings", "max_time"):  # what one process applies (with the tokenizer, on its clock)
         setattr(model.generation_config, case, "x" if case == "stop_strings" else 1e-4)
         parallel_generate(model, PROMPT, 8)
+    if case in ("output_scores", "output_logits"):  # generate returns them; parallel_generate had said nothing
+        setattr(model.generation_config, case, True)
+        parallel_generate(model, PROMPT, 8)
+    if case == "padding":  # generate reads the pad token as padding; parallel_generate had decoded it as text
+        model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
+        parallel_generate(model, [0, 0] + PROMPT, 8)
+    if case == "seed":
+        parallel_generate(model, PROMPT, 8, seed=1.5)
 
 
 @pytest.mark.parametrize("case, words", [("budget", "fixed step"), ("prompts", "different prompts"),
                                          ("generation configs", "options or generation configs"),
-                                         ("stop_strings", "sets stop_strings='x'"), ("max_time", "sets max_time=0.0001")])
+                                         ("stop_strings", "sets stop_strings='x'"), ("max_time", "sets max_time=0.0001"),
+                                         ("output_scores", "sets output_scores=True"),
+                                         ("output_logits", "sets output_logits=True"),
+                                         ("padding", r"holds the pad token \(id 0\), which generate reads as padding"),
+                                         ("seed", r"seed must be an integer in \[-2\*\*63, 2\*\*64\), got 1.5")])
 def test_misuse_is_refused_on_every_rank(case, words):
     with pytest.raises(WorkerError, match=words):
         run_workers(2, _misuse, case, threads=1)
@@ -235,6 +271,20 @@ def _sampled_by_the_generation_config() -> tuple[list[int], list[int], list[int]
     config = LookaheadConfig(4, 3, 4)
     return tuple(parallel_generate(model, PROMPT, 24, config, eos_token_id=[], seed=5, **sample).sequences[0].tolist()
                  for sample in ({}, {"do_sample": True}, {"do_sample": False}))
+
+
+def _lengths_from_the_generation_config() -> tuple[int, int]:
+    model = make_tiny_model("llama")
+    model.generation_config.max_new_tokens = 10
+    by_new_tokens = parallel_generate(model, PROMPT, config=LookaheadConfig(4, 3, 4), eos_token_id=[])
+    model.generation_config.max_new_tokens, model.generation_config.max_length = None, len(PROMPT) + 6
+    by_length = parallel_generate(model, PROMPT, config=LookaheadConfig(4, 3, 4), eos_token_id=[])
+    return by_new_tokens.sequences.shape[1] - len(PROMPT), by_length.sequences.shape[1] - len(PROMPT)
+
+
+def test_max_new_tokens_unset_is_the_generation_configs_as_in_generate():
+    """It had been 128 whatever the generation config said (generate: its max_new_tokens, else max_length)."""
+    assert run_workers(2, _lengths_from_the_generation_config, threads=1) == (10, 6)
 
 
 def test_do_sample_unset_is_the_generation_configs_as_in_generate():

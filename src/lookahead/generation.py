@@ -111,10 +111,10 @@ def generate(
     criteria = _stopping_criteria(settings, stop_strings, tokenizer, stopping_criteria)
     eos_token_id = stop_token_list(eos_token_id)  # a generator of them read once, here
     _check_streamer(streamer)
-    prompts, layout = _prompts(input_ids, attention_mask, _inferred_padding(model, settings, eos_token_id,
+    prompts, layout = _prompts(input_ids, attention_mask, inferred_padding(model, settings, eos_token_id,
                                                                             pad_token_id))
     width = layout.shape[1] if layout is not None else max(len(prompt) for prompt in prompts)
-    max_new_tokens = _new_tokens(settings, max_new_tokens, width)
+    max_new_tokens = new_token_count(settings, max_new_tokens, width)
     if do_sample is None:
         do_sample = bool(getattr(settings, "do_sample", None))
     if output_scores is None:
@@ -308,7 +308,7 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None, padding: int | None
 DEFAULT_NEW_TOKENS = 128
 
 
-def _new_tokens(config: GenerationConfig, max_new_tokens: int | None, width: int) -> int:
+def new_token_count(config: GenerationConfig, max_new_tokens: int | None, width: int) -> int:
     """max_new_tokens, or where it is None what `model.generate` takes from the generation config: its
     max_new_tokens, else its max_length less the input's `width` (positions, padding included); else
     DEFAULT_NEW_TOKENS."""
@@ -332,7 +332,7 @@ def _check_streamer(streamer) -> None:
         raise TypeError(f"streamer must be a transformers streamer (with put() and end()), got {type(streamer).__name__}")
 
 
-def _inferred_padding(model: PreTrainedModel, settings: GenerationConfig, eos_token_id, pad_token_id: int | None
+def inferred_padding(model: PreTrainedModel, settings: GenerationConfig, eos_token_id, pad_token_id: int | None
                       ) -> int | None:
     """The token `generate` reads as padding when it gets no attention mask: the pad token given, else the
     generation config's, unless it is a stop token too."""

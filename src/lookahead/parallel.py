@@ -14,6 +14,7 @@ Launch: `torchrun --nproc-per-node K -m lookahead generate ...`, `lookahead gene
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
@@ -37,7 +38,8 @@ from .config import LookaheadConfig
 from .core.decoder import LookaheadDecoder
 from .core.drafter import node_counts
 from .core.split import split_step
-from .engine import STEP_ROOM, GenerateOutput, GenerationStats, check_request, eos_ids, kept_tokens
+from .engine import STEP_ROOM, GenerateOutput, GenerationStats, as_token_tensor, check_request, eos_ids, kept_tokens
+from .generation import inferred_padding, new_token_count
 from .hf import HFModelRunner, context_length
 from .arguments import checked_int, checked_number
 from .runtime.batch import StepInput, after_tokens, causal_step, pack_steps
@@ -45,12 +47,13 @@ from .sampling import DecodingOptions, decoding_rule
 
 PREFILL_CHUNK = 512
 DEFAULT_TIMEOUT = timedelta(seconds=60)
+RESULT_FILE = "result.pickle"  # rank 0's, in the rendezvous folder
 
 
 def parallel_generate(
     model: PreTrainedModel,
     input_ids: torch.Tensor | list[int],
-    max_new_tokens: int = 128,
+    max_new_tokens: int | None = None,
     config: LookaheadConfig | None = None,
     eos_token_id: int | Iterable[int] | None = None,
     group: dist.ProcessGroup | None = None,
@@ -65,7 +68,7 @@ def parallel_generate(
     default group). Call it on every rank with the same model, prompt and options; every rank returns the
     same output: greedy, token for token transformers' greedy `generate`; sampled (options as in
     `generate`), token for token what `generate(..., generator=torch.Generator().manual_seed(seed))` draws
-    in one process. do_sample None: the model's generation config's, as in `generate`.
+    in one process. max_new_tokens and do_sample None: the model's generation config's, as in `generate`.
 
     config: a fixed step (W, N, G); None means `LookaheadConfig()` (W5 N4 G5). A budgeted config is
     refused: its step sizes follow one device's measured cost curve, which the ranks need not share."""
@@ -78,7 +81,10 @@ def parallel_generate(
     if config.budget:
         raise ValueError("parallel decoding takes a fixed step (LookaheadConfig with budget=False): a budgeted "
                          "step follows one device's cost curve")
+    seed = checked_int("seed", seed, -2**63, 2**64 - 1, allowed="an integer in [-2**63, 2**64)")
+    max_new_tokens = new_token_count(model.generation_config, max_new_tokens, as_token_tensor(input_ids).shape[-1])
     prompt = check_request(model, input_ids, max_new_tokens)
+    _check_unpadded(model, prompt, eos_token_id)
     if do_sample is None:
         do_sample = bool(getattr(model.generation_config, "do_sample", False))
     rank, workers = dist.get_rank(group), dist.get_world_size(group)
@@ -146,12 +152,25 @@ def parallel_generate(
 def check_one_process_settings(model: PreTrainedModel) -> None:
     """Raise where the model's generation config sets what only one process applies: stop strings and max_time,
     which stop `generate` at a point that the processes, each stepping on its own clock and without the
-    tokenizer, would not agree on."""
+    tokenizer, would not agree on; scores and logits, which parallel_generate does not return."""
     settings = model.generation_config
     for name in ("stop_strings", "max_time"):
         if getattr(settings, name, None) is not None:
             raise ValueError(f"the model's generation config sets {name}={getattr(settings, name)!r}, which the "
                              "processes of lookahead parallelism do not apply: decode in one process, or unset it")
+    for name in ("output_scores", "output_logits"):
+        if getattr(settings, name, None):
+            raise ValueError(f"the model's generation config sets {name}=True, and parallel_generate returns no "
+                             "scores or logits: decode in one process (`generate`), or unset it")
+
+
+def _check_unpadded(model: PreTrainedModel, prompt: torch.Tensor, eos_token_id) -> None:
+    """Raise where the prompt holds the pad token that `generate`, given no attention mask, reads as padding:
+    parallel_generate takes one prompt and no mask, and would decode the padding as text."""
+    padding = inferred_padding(model, model.generation_config, eos_token_id, None)
+    if padding is not None and bool((prompt == padding).any()):
+        raise ValueError(f"input_ids holds the pad token (id {padding}), which generate reads as padding without an "
+                         "attention mask: parallel_generate takes one prompt without padding; remove it")
 
 
 def _check_same_call(group, device: torch.device, *arguments) -> None:
@@ -214,8 +233,7 @@ def run_workers(workers: int, target: Callable[..., object], *args, threads: int
             while not messages.empty():
                 received.append(messages.get())
 
-        # Messages are read while the workers run: a result larger than the pipe's buffer (64 KiB) would
-        # otherwise block rank 0 in its write while we wait for it to exit.
+        # Messages are read while the workers run (each small: a result comes through a file).
         try:
             while not context.join(timeout=0.05):
                 drain()
@@ -228,8 +246,16 @@ def run_workers(workers: int, target: Callable[..., object], *args, threads: int
         finally:
             watched.close()
             caller_end.close()
+            for path in context.error_files:  # torch's, one per worker, holding a failed one's traceback
+                with contextlib.suppress(OSError):
+                    os.remove(path)
         drain()
-    return pickle.loads(next(payload for kind, payload in received if kind == "result"))
+        if ("result", None) not in received:  # every worker exited 0, rank 0 without a result (sys.exit, say)
+            raise WorkerError(_first_failure(context.processes, received, workers)
+                              if any(kind == "error" for kind, _ in received) else
+                              f"worker 0 of {workers} exited without a result (exit code {context.processes[0].exitcode})")
+        with open(os.path.join(rendezvous, RESULT_FILE), "rb") as result:
+            return pickle.load(result)
 
 
 def _stop(processes, grace: float = 5.0) -> None:
@@ -296,8 +322,13 @@ def _worker(rank: int, workers: int, rendezvous: str, threads: int, timeout: tim
         # ("connectFullMesh failed: Connection closed by peer": 2 of 60 calls on a busy machine, none of 120 after).
         dist.barrier()
         result = target(*args)
-        if rank == 0:  # plain pickle: tensors travel by value, not as shared memory that dies with the process
-            messages.put(("result", pickle.dumps(result)))
+        if rank == 0:
+            # Through a file, put in place whole: a worker killed while writing to the queue would leave the caller
+            # waiting on the rest of a message. Plain pickle: tensors by value, not as shared memory.
+            with tempfile.NamedTemporaryFile(dir=rendezvous, delete=False) as partial:
+                pickle.dump(result, partial)
+            os.replace(partial.name, os.path.join(rendezvous, RESULT_FILE))
+            messages.put(("result", None))
     except BaseException as error:
         # Said before the process group goes down, so that it comes before the other workers' failures.
         lines = [line for line in traceback.format_exception_only(error)[-1].strip().splitlines() if line.strip()]
