@@ -539,6 +539,23 @@ def test_ending_requests_from_inside_a_step_is_refused_and_harms_no_other(llama_
     assert engine.store.lengths == [0] * 4
 
 
+def test_a_refused_request_leaves_its_corpus_free_to_serve_another_vocabulary(llama_tiny, small_vocab_model):
+    """The corpus was bound to the model's vocabulary while the request's options were checked, before its prompt
+    was refused: a model of another vocabulary could then not use the corpus, that no request had drafted from."""
+    from lookahead import Corpus
+
+    corpus = Corpus()
+    with pytest.raises(ValueError, match="exceeds the engine's max_length of 16 positions"):
+        Engine(llama_tiny, max_batch=1, max_length=16).add_request(list(range(3, 20)), RequestParams(
+            max_new_tokens=4, corpus=corpus))
+    assert corpus.vocabulary is None
+    with pytest.raises(ValueError, match=r"token id 10, outside the model.s vocabulary \[0, 10\)"):
+        generate(small_vocab_model, [2, 3, 10], max_new_tokens=2, corpus=corpus)
+    assert corpus.vocabulary is None
+    out = generate(small_vocab_model, [2, 3, 4], max_new_tokens=2, eos_token_id=[], corpus=corpus)
+    assert corpus.vocabulary == 10 and len(corpus) == 1 and out.sequences.shape == (1, 5)
+
+
 def test_finish_keeps_the_tokens_asked_for_and_refuses_a_count_it_does_not_have(llama_tiny):
     """`finish(rid, k)` ends a request as if it had stopped after k new tokens (a stop string the caller
     found): its corpus gets the prompt and those k. A negative k had cut tokens from the end instead."""

@@ -63,6 +63,22 @@ def test_bad_prompts(llama_tiny, input_ids, message):
     assert recorder.calls == 0  # nothing half-done: the streamer never saw a token
 
 
+def test_token_ids_stored_unsigned_are_taken(llama_tiny):
+    """numpy's uint16 and uint32 arrays (a tokenised dataset's) had been refused as not "integer token ids": torch
+    compares none of its unsigned dtypes but uint8. An unsigned id past int64 is outside the vocabulary."""
+    import numpy as np
+
+    expected = generate(llama_tiny, [5, 6, 7, 8], max_new_tokens=4, eos_token_id=[]).sequences
+    for dtype in (np.uint16, np.uint32, np.uint64):
+        out = generate(llama_tiny, np.array([5, 6, 7, 8], dtype=dtype), max_new_tokens=4, eos_token_id=[])
+        assert torch.equal(out.sequences, expected), dtype
+    padded = generate(llama_tiny, np.array([[0, 5, 6, 7, 8]], dtype=np.uint32), attention_mask=[[0, 1, 1, 1, 1]],
+                      max_new_tokens=4, eos_token_id=[])
+    assert torch.equal(padded.sequences[:, 1:], expected)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        generate(llama_tiny, np.array([5, 2**64 - 1], dtype=np.uint64), max_new_tokens=2)
+
+
 @pytest.mark.parametrize("value", [0, -3, 2.0, "3"])  # None: the generation config's length (test_transformers_parity)
 def test_bad_max_new_tokens(llama_tiny, value):
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):

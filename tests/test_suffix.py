@@ -366,6 +366,8 @@ def test_a_corpus_serves_one_vocabulary_and_refuses_ids_outside_it():
     with pytest.raises(ValueError, match=r"the corpus holds token id 9, outside the model's vocabulary \[0, 9\)"):
         corpus.serve(9)
     assert corpus.vocabulary is None
+    corpus.check(10)  # a check binds nothing
+    assert corpus.vocabulary is None
     corpus.serve(10)
     corpus.serve(10)  # the same size again
     assert corpus.vocabulary == 10

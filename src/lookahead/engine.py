@@ -276,6 +276,8 @@ class Engine:
                                    stats=acceptance_stats(self.model, rule.choose is not None),
                                    context=context_length(self.model), vocabulary=vocabulary_size(self.model),
                                    keep_scores=params.output_scores or params.output_logits)
+        if params.corpus is not None:
+            params.corpus.serve(vocabulary_size(self.model))
         with self._lock:
             request = _Request(self._next_id, prompt, params, decoder, set(stops),
                                GenerationStats(window=decoder.window.width), padding=padding)
@@ -703,13 +705,16 @@ def as_token_tensor(input_ids: object, name: str = "input_ids") -> torch.Tensor:
     """`input_ids` as a tensor; ValueError, naming the argument `name`, for what cannot be token ids (text, None,
     ragged lists)."""
     try:
-        return torch.as_tensor(input_ids)
+        ids = torch.as_tensor(input_ids)
     except (TypeError, ValueError, RuntimeError) as error:
         text = isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and input_ids
                                               and all(isinstance(item, str) for item in input_ids))
         got = f"{type(input_ids).__name__} of str" if text and not isinstance(input_ids, str) else type(input_ids).__name__
         hint = " (text: encode it with the tokenizer first, e.g. lookahead.prompts.encode_prompt)" if text else ""
         raise ValueError(f"{name} must be token ids (a list of ints or an integer tensor), got {got}{hint}") from error
+    # Token ids stored unsigned (numpy's uint16 or uint32 arrays of a tokenised dataset): torch compares none of these
+    # dtypes, so they are taken as int64, which holds every token id.
+    return ids.to(torch.int64) if ids.dtype in (torch.uint16, torch.uint32, torch.uint64) else ids
 
 
 def _prompt_tensor(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
@@ -739,7 +744,7 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
     if params.corpus is not None:
         if not isinstance(params.corpus, Corpus):
             raise TypeError(f"corpus must be a lookahead Corpus or None, got {type(params.corpus).__name__}")
-        params.corpus.serve(vocabulary_size(model))
+        params.corpus.check(vocabulary_size(model))  # bound to it only once the request is taken (`add_request`)
     if params.seed is not None:
         checked_int("seed", params.seed, -2**63, 2**64 - 1, allowed="an integer in [-2**63, 2**64)")
         if params.generator is not None:

@@ -191,11 +191,16 @@ class Corpus:
 
     def serve(self, vocabulary: int) -> None:
         """Serve a model of a vocabulary of this size from now on (a request's, before it drafts from the
-        corpus). Raises ValueError where the corpus serves another size, or holds ids outside it: the ids of
-        one tokenizer mean nothing to another, and a draft of ids past a model's vocabulary cannot be fed."""
+        corpus). Raises ValueError as `check` does."""
+        self.check(vocabulary)
+        self.vocabulary = vocabulary
+
+    def check(self, vocabulary: int) -> None:
+        """Raise ValueError where the corpus serves another vocabulary size, or holds ids outside this one: the ids
+        of one tokenizer mean nothing to another, and a draft of ids past a model's vocabulary cannot be fed."""
         if self.vocabulary is None and self.largest_token < vocabulary:
-            self.vocabulary = vocabulary
-        elif self.vocabulary is None:
+            return
+        if self.vocabulary is None:
             raise ValueError(f"the corpus holds token id {self.largest_token}, outside the model's vocabulary "
                              f"[0, {vocabulary}): a corpus serves the models of one tokenizer")
         elif self.vocabulary != vocabulary:
