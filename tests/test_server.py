@@ -5,6 +5,7 @@ failure an OpenAI-style 500."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import socket
@@ -174,6 +175,40 @@ def test_a_client_that_leaves_frees_its_slot(server):
     while engine.running() and time.time() < deadline:
         time.sleep(0.1)
     assert engine.running() == 0
+
+
+def test_a_stalled_stream_with_logprobs_holds_no_row_of_the_vocabulary(llama_tiny):
+    """Outputs wait in a stream for a reader that has fallen behind (a client that stopped reading): with logprobs,
+    each with a few numbers a token, cut from the logits on the engine's thread. They had each held the step's
+    [tokens, vocab] float32 logits (a review measured 1.8 GB over four streams of 4,000 tokens, 49,152 ids)."""
+    from lookahead import LookaheadConfig
+    from lookahead.engine import Engine, RequestParams
+    from lookahead.serve import EngineLoop
+
+    logits = llama_tiny(reference_greedy(llama_tiny, torch.tensor([[5, 6, 7, 8]]), 12, eos_token_id=[])).logits[0, 3:-1]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+
+    async def unread() -> list:
+        engine_loop = EngineLoop(Engine(llama_tiny, max_batch=1), max_queue=1)
+        try:
+            params = RequestParams(max_new_tokens=12, eos_token_id=[], output_logits=True,
+                                   config=LookaheadConfig(4, 3, 4))
+            _, stream = await engine_loop.add(torch.tensor([5, 6, 7, 8]), params, top=2)
+            deadline = time.monotonic() + 60
+            while engine_loop.engine.has_unfinished() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # the last deliveries, handed to this loop
+            return list(stream.queue._queue)
+        finally:
+            engine_loop.stop()
+
+    waiting = asyncio.run(unread())
+    assert sum(len(output.tokens) for output, _ in waiting) == 12 and waiting[-1][0].finished
+    chosen = [value for output, scored in waiting for value in scored.chosen]
+    likeliest = [top for output, scored in waiting for top in scored.likeliest]
+    assert all(output.logits is None for output, _ in waiting)
+    assert chosen == pytest.approx(expected.max(dim=-1).values.tolist(), abs=1e-4)  # greedy: the likeliest token
+    assert [[token for token, _ in top] for top in likeliest] == expected.topk(2).indices.tolist()
 
 
 HI = [{"role": "user", "content": "hi"}]
@@ -1247,6 +1282,75 @@ def test_prompt_scoring_waits_its_turn_and_a_full_server_says_when_to_retry(defa
         assert scored == [4, 4, 4]  # the refused request ran no forward
         code, three = raw(f"{url}/v1/completions", {**body, "prompt": ["Roses are red"] * 3})
         assert code == 200 and [c["logprobs"] for c in three["choices"]] == [replies[0][1]["choices"][0]["logprobs"]] * 3
+
+
+def test_a_client_that_leaves_while_its_echoed_prompt_waits_to_be_scored_frees_its_slot(default_model, monkeypatch):
+    """Its reply decodes while its prompt waits its turn to be scored: the client leaving then freed its slot only
+    once that prompt had been scored (behind others, seconds later; here never, the scoring held)."""
+    import lookahead.serve
+
+    model, tokenizer = default_model
+    scoring, release = threading.Event(), threading.Event()
+    score = lookahead.serve._PromptScorer._logits
+
+    def held(scorer, prompt):
+        scoring.set()
+        release.wait(timeout=60)
+        return score(scorer, prompt)
+
+    monkeypatch.setattr(lookahead.serve._PromptScorer, "_logits", held)
+    monkeypatch.setattr(model.generation_config, "eos_token_id", None)  # it would decode all 900 tokens
+    app = create_app(model, tokenizer, model_name=MODEL, max_batch=1, max_queue=1, max_length=1024)
+    engine = app.state.engine_loop.engine
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "echo": True,
+                       "logprobs": 1}).encode()
+    try:
+        with serve_in_thread(app) as url:
+            address = urlsplit(url)
+            with socket.create_connection((address.hostname, address.port)) as connection:
+                connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                   b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                assert scoring.wait(timeout=30)
+                assert engine.running() == 1
+            deadline = time.time() + 20
+            while engine.running() and time.time() < deadline:
+                time.sleep(0.05)
+            assert engine.running() == 0 and not release.is_set()  # freed while its prompt was still being scored
+            release.set()
+    finally:
+        release.set()
+
+
+def test_requests_waiting_for_the_tokenizer_are_bounded_by_the_queue(default_model, monkeypatch):
+    """As many requests as the engine takes (max_batch + max_queue) may wait for the one tokenizer thread; more get
+    429, as they would once tokenized. They had waited unbounded (40 long prompts held a short request 15 s)."""
+    from lookahead.serve import CompletionRequest
+
+    model, tokenizer = default_model
+    release = threading.Event()
+    prompts = CompletionRequest.prompts
+
+    def slow(body, *args):
+        release.wait(timeout=60)
+        return prompts(body, *args)
+
+    monkeypatch.setattr(CompletionRequest, "prompts", slow)
+    app = create_app(model, tokenizer, model_name=MODEL, max_batch=1, max_queue=1, max_length=256)
+    body = {"model": MODEL, "prompt": "Roses are red", "max_tokens": 2, "temperature": 0}
+    try:
+        with serve_in_thread(app) as url, concurrent.futures.ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(raw, f"{url}/v1/completions", body) for _ in range(2)]
+            deadline = time.time() + 30
+            while scrape(url)["lookahead_tokenizing"] < 2 and time.time() < deadline:
+                time.sleep(0.05)
+            assert scrape(url)["lookahead_tokenizing"] == 2
+            code, refused = raw(f"{url}/v1/completions", body)
+            assert code == 429 and refused["error"]["code"] == "rate_limit_exceeded"
+            release.set()
+            assert [future.result()[0] for future in held] == [200, 200]
+            assert scrape(url)["lookahead_tokenizing"] == 0
+    finally:
+        release.set()
 
 
 def test_logprobs_of_tokens_that_split_a_character(server, default_model):

@@ -13,6 +13,7 @@ import base64
 import codecs
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import hmac
@@ -412,7 +413,7 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
 class Metrics:
     """What `GET /metrics` reports, in Prometheus' text format (a registry per app)."""
 
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: EngineLoop, tokenizing: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("lookahead_requests", "Completion requests accepted", ["endpoint"],
                                 registry=self.registry)
@@ -434,14 +435,47 @@ class Metrics:
             lambda: loop.engine.waiting())
         Gauge("lookahead_running", "Requests decoding", registry=self.registry).set_function(
             lambda: loop.engine.running())
+        Gauge("lookahead_tokenizing", "Requests waiting for the tokenizer or in it", registry=self.registry
+              ).set_function(tokenizing)
+
+
+@dataclass(frozen=True)
+class _TokenLogprobs:
+    """Tokens' log-probabilities (the log-softmax of their float32 logits) and the `top` likeliest tokens at each
+    position, as (id, log-probability) pairs."""
+
+    chosen: list[float]
+    likeliest: list[list[tuple[int, float]]]
+
+    @staticmethod
+    def of(tokens: list[int], logits: torch.Tensor, top: int) -> _TokenLogprobs:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+        if not top:
+            return _TokenLogprobs(chosen, [[] for _ in tokens])
+        values, ids = logprobs.topk(top, dim=-1)
+        return _TokenLogprobs(chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())])
 
 
 @dataclass
 class _Stream:
-    """What one HTTP request reads: the engine's outputs for its request, in order, or the error that ended it."""
+    """What one HTTP request reads: the engine's outputs for its request, in order, each with its tokens'
+    log-probabilities where `top` (the likeliest tokens asked for at each position) is set, or the error that ended
+    it. The log-probabilities are cut from the logits on the engine's thread: a reader that falls behind (a stalled
+    client) then holds a few numbers a token, not a row of the vocabulary (it had held hundreds of MB a stream)."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[StepOutput | APIError] = field(default_factory=asyncio.Queue)
+    top: int | None = None
+    queue: asyncio.Queue[tuple[StepOutput, _TokenLogprobs | None] | APIError] = field(default_factory=asyncio.Queue)
+
+    def put(self, delivery: StepOutput | APIError) -> None:
+        """Hand `delivery` to the reader's loop (from the engine's thread)."""
+        if isinstance(delivery, StepOutput):
+            scored = None
+            if self.top is not None and delivery.logits is not None and delivery.tokens:
+                scored = _TokenLogprobs.of(delivery.tokens, delivery.logits, self.top)
+            delivery = (dataclasses.replace(delivery, logits=None), scored)
+        _call_on(self.loop, self.queue.put_nowait, delivery)
 
 
 class EngineLoop:
@@ -463,8 +497,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="lookahead-engine", daemon=True)
         self._thread.start()
 
-    async def add(self, prompt: torch.Tensor, params: RequestParams) -> tuple[int, _Stream]:
-        """Queue a request, before the engine's next step; its id and the stream of its outputs. Raises
+    async def add(self, prompt: torch.Tensor, params: RequestParams, top: int | None = None) -> tuple[int, _Stream]:
+        """Queue a request, before the engine's next step; its id and the stream of its outputs (with their
+        log-probabilities and the `top` likeliest tokens where `top` is set: `params` asks for logits). Raises
         APIError 429 where the queue is full, 400 where the engine refuses the request, 503 where the engine
         has stopped."""
         loop = asyncio.get_running_loop()
@@ -472,7 +507,7 @@ class EngineLoop:
         with self._ending:  # not appended after the thread's last look at the queue
             if not self.alive() or self._ended_all:
                 raise _engine_stopped()
-            self._added.append((prompt, params, _Stream(loop), added))
+            self._added.append((prompt, params, _Stream(loop, top), added))
         self._wake.set()
         return await added
 
@@ -525,7 +560,7 @@ class EngineLoop:
                     _, _, stream, added = self._added.popleft()
                     _call_on(stream.loop, _settle, added, None, _engine_stopped())
             for stream in self._streams.values():
-                _call_on(stream.loop, stream.queue.put_nowait, _engine_stopped())
+                stream.put(_engine_stopped())
             self._streams.clear()
 
     def _end(self, request: int, tokens: int | None) -> None:
@@ -564,7 +599,7 @@ class EngineLoop:
                         self._streams.pop(output.request_id, None)
             for stream, delivery in deliveries:
                 if stream is not None:
-                    _call_on(stream.loop, stream.queue.put_nowait, delivery)
+                    stream.put(delivery)
             if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -645,6 +680,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     score_prompt = _PromptScorer(model, max_batch + max_queue - 1, functools.partial(_server_full, max_batch, max_queue))
     corpora: dict[str | None, Corpus] = {}
     tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookahead-tokenizer")
+    tokenizer_backlog = 0  # requests waiting for `tokenizing` or in it
     piece_characters = max(map(len, tokenizer.get_vocab()), default=1)  # the longest text one token stands for
 
     @asynccontextmanager
@@ -657,7 +693,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
     if allow_origins:  # browsers send a preflight first: it must pass without an API key
         app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"])
-    metrics = Metrics(engine_loop)
+    metrics = Metrics(engine_loop, lambda: tokenizer_backlog)
     if allowed_hosts:  # added last: it sees every request first
         app.add_middleware(_HostCheck, hosts=allowed_hosts, refused=metrics.errors.labels("400").inc)
     app.state.engine_loop = engine_loop
@@ -760,14 +796,20 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
         echoed = text if body.echoes() else ""
         top = body.logprobs_asked()
         logprobs = _Logprobs(tokenizer, top) if top is not None else None
-        rid, stream = await engine_loop.add(prompt, params) if params.max_new_tokens else (None, None)
+        rid, stream = await engine_loop.add(prompt, params, top) if params.max_new_tokens else (None, None)
         if echoed and logprobs is not None:  # the reply's tokens meanwhile wait in `stream`
             try:
-                logprobs.add_prompt(prompt.tolist(), await score_prompt(prompt), echoed)
+                # Behind other prompts, perhaps: a client that leaves meanwhile frees its slot now, not once scored.
+                scores = await _unless_disconnected(request, score_prompt(prompt))
             except BaseException:
                 if rid is not None:
                     engine_loop.abort(rid)
                 raise
+            if scores is None:  # the client has gone: nobody reads this
+                if rid is not None:
+                    engine_loop.abort(rid)
+                return Response(status_code=499)
+            logprobs.add_prompt(prompt.tolist(), scores, echoed)
         if alone:
             metrics.requests.labels("chat" if chat else "completions").inc()
         metrics.prompt_tokens.inc(prompt.numel())
@@ -788,12 +830,13 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                 return
             try:
                 while True:
-                    output = await stream.queue.get()
-                    if isinstance(output, APIError):
-                        raise output
+                    delivery = await stream.queue.get()
+                    if isinstance(delivery, APIError):
+                        raise delivery
+                    output, scored = delivery
                     now = time.perf_counter()
-                    if logprobs is not None and output.tokens:
-                        logprobs.add(output.tokens, output.logits)
+                    if logprobs is not None and scored is not None:
+                        logprobs.add(output.tokens, scored)
                     before = reply.tokens
                     piece = reply.add(output.tokens, output.finished)
                     kept = reply.tokens - before  # the step's tokens up to a stop string's cut: the reply's
@@ -904,9 +947,17 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                                 f"pieces are at most {piece_characters} characters long)", body.PROMPT_FIELD,
                            code="context_length_exceeded")
         # Tokenizing a long prompt takes a while: on a thread of its own, the event loop streams other replies
-        # meanwhile (one thread: a tokenizer is not made to be called from several at once).
-        encoded = await asyncio.get_running_loop().run_in_executor(
-            tokenizing, body.prompts, tokenizer, vocabulary_size(model))
+        # meanwhile (one thread: a tokenizer is not made to be called from several at once). As many requests as
+        # the engine takes may wait for it; more get 429, as they would once tokenized (they had waited unbounded).
+        nonlocal tokenizer_backlog
+        if tokenizer_backlog >= max_batch + max_queue:
+            raise _server_full(max_batch, max_queue)
+        tokenizer_backlog += 1
+        try:
+            encoded = await asyncio.get_running_loop().run_in_executor(
+                tokenizing, body.prompts, tokenizer, vocabulary_size(model))
+        finally:
+            tokenizer_backlog -= 1
         prompts = [(ids, text, params_of(body, key, ids)) for ids, text in encoded]  # all checked before any decodes
         if len(prompts) == 1:
             return await run(request, body, *prompts[0][::2], chat=chat, text=prompts[0][1])
@@ -1217,7 +1268,7 @@ class _Logprobs:
         of the text, and counted by the tokens' own texts they had moved every offset after them."""
         self.chosen.append((tokens[0], None))
         self.likeliest.append(None)
-        self._score(tokens[1:], logits)
+        self._score(tokens[1:], _TokenLogprobs.of(tokens[1:], logits, self.top))
         found = _offsets_in(self.tokenizer, text, tokens)
         if found is None:
             self._add_texts(tokens, reply=False)
@@ -1225,20 +1276,14 @@ class _Logprobs:
             self.offsets = found + [len(text)]
         self.echoed = len(tokens)
 
-    def add(self, tokens: list[int], logits: torch.Tensor) -> None:
-        """The reply's next tokens."""
-        self._score(tokens, logits)
+    def add(self, tokens: list[int], scored: _TokenLogprobs) -> None:
+        """The reply's next tokens, with their log-probabilities."""
+        self._score(tokens, scored)
         self._add_texts(tokens, reply=True)
 
-    def _score(self, tokens: list[int], logits: torch.Tensor) -> None:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        picked = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
-        self.chosen += zip(tokens, picked)
-        if self.top:
-            values, ids = logprobs.topk(self.top, dim=-1)
-            self.likeliest += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-        else:
-            self.likeliest += [[] for _ in tokens]
+    def _score(self, tokens: list[int], scored: _TokenLogprobs) -> None:
+        self.chosen += zip(tokens, scored.chosen)
+        self.likeliest += scored.likeliest
 
     def _add_texts(self, tokens: list[int], reply: bool) -> None:
         """Offsets in characters: a token that ends inside a character adds none, the one that completes it one,
