@@ -254,3 +254,12 @@ def test_first_tokens_distribution_on_the_default_model(default_model):
         accepted += sum(s.new_tokens - s.steps for s in out.stats.per_sequence)
     assert accepted > draws // 5  # the acceptance path really runs
     assert fit_pvalue(samples, expected) > 1e-3
+
+
+def test_a_temperature_that_overflows_the_logits_is_an_error_as_in_generate(llama_tiny):
+    """logits / 1e-45 are +-inf: the draw had taken the first token of positive logit, a reply of garbage with no
+    word said; transformers' generate raises there (its multinomial refuses inf)."""
+    with pytest.raises(RuntimeError):
+        llama_tiny.generate(torch.tensor([[5, 6, 7]]), do_sample=True, temperature=1e-45, max_new_tokens=2)
+    with pytest.raises(ValueError, match="the processed scores are not finite .* a temperature this small overflows"):
+        generate(llama_tiny, [5, 6, 7], do_sample=True, temperature=1e-45, max_new_tokens=2)

@@ -8,6 +8,7 @@ goes on into the child that holds it; where no child does, that token is the ste
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -132,4 +133,7 @@ def sample_choice(scores: torch.Tensor, candidates: list[tuple[int, int]], noise
     this way has probability p(x), as speculative sampling's rule has, but the token drawn does not
     depend on the guesses, only on the noise (docs/sampling.md)."""
     token = int((scores.float() + noise).argmax())
+    if not math.isfinite(float(scores[token])):  # where transformers' multinomial fails ("inf, nan or element < 0")
+        raise ValueError(f"sampling: the processed scores are not finite (the token drawn scores {float(scores[token])}):"
+                         " a temperature this small overflows the logits, or the processors left no token possible")
     return token, next((node for candidate, node in candidates if candidate == token), None)
