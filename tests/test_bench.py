@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 import time
 
 import pytest
@@ -114,6 +115,74 @@ def test_bench_corpus_retry_drafts_the_second_reply_from_the_first(tiny_dir):
     assert shared > alone and cells[-1] == "True", result.stdout  # the same reply, drafted from the corpus
 
 
+@pytest.fixture(scope="module")
+def linear_attention_dir(tmp_path_factory, tiny_dir):
+    """The tiny model with layers whose cache cannot roll back (as Mamba's or Qwen3-Next's linear attention)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    model.config.layer_types = ["linear_attention"] * model.config.num_hidden_layers
+    folder = tmp_path_factory.mktemp("linear")
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("command", [["bench"], ["bench", "--batch-size", "1"], ["bench", "sweep"], ["bench", "corpus"],
+                                     ["bench", "cost"], ["bench", "serve"]])
+def test_every_bench_command_refuses_a_model_lookahead_cannot_run_in_a_line(linear_attention_dir, command):
+    """`generate` and `serve` said so in a line (exit 2); the bench commands had ended in a traceback."""
+    result = run(*command, "--model", linear_attention_dir, "--max-new-tokens" if command[-1] != "cost" else "--max-k",
+                 "2")
+    assert result.returncode == 2 and "Error: LlamaForCausalLM has layers of type ['linear_attention']" in result.stderr
+
+
+@pytest.mark.parametrize("command", [["bench"], ["bench", "--batch-size", "1"], ["bench", "sweep"], ["bench", "corpus"]])
+def test_bench_commands_refuse_prompts_past_the_context_before_any_run(tiny_dir, command, monkeypatch):
+    """A benchmark had run transformers' baseline on the first prompt, then failed on ours with a traceback."""
+    import lookahead.bench.runner
+
+    monkeypatch.setattr(lookahead.bench.runner, "hf_generate", lambda *args, **kwargs: pytest.fail("a baseline ran"))
+    result = run(*command, "--model", tiny_dir, "--limit", "1", "--max-new-tokens", "5000")
+    assert result.returncode == 2 and "exceeds the model's context of 2048 positions" in result.stderr, result.stderr
+
+
+def test_bench_cost_refuses_packed_linears_where_there_are_none_by_the_option(tiny_dir):
+    result = run("bench", "cost", "--model", tiny_dir, "--dtype", "float16", "--packed-linear", "--max-k", "2")
+    assert result.returncode == 2 and "--packed-linear" in result.stderr and "packed_linear=True needs" in result.stderr
+
+
+def test_bench_serve_refuses_a_model_without_a_chat_template_before_any_request(tmp_path, tiny_dir):
+    """Its clients chat: every request had been refused (400), after the warm-up and every round."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    tokenizer.chat_template = None
+    shutil.copytree(tiny_dir, tmp_path / "model")
+    for template in (tmp_path / "model").glob("chat_template.*"):
+        template.unlink()
+    tokenizer.save_pretrained(tmp_path / "model")
+    result = run("bench", "serve", "--model", str(tmp_path / "model"), "--clients", "1", "--requests", "1",
+                 "--max-new-tokens", "2", "--rounds", "1")
+    assert result.returncode == 2 and "--model" in result.stderr and "no chat template" in result.stderr
+
+
+def test_the_command_a_report_records_runs_again_as_given(tiny_dir, tmp_path, monkeypatch):
+    """An argument with a space, or an empty one, lost its quoting in the recorded command."""
+    import shlex
+    import sys
+
+    prompts = tmp_path / "my prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "turns": ["Say hi."]}) + "\n")
+    argv = ["lookahead", "bench", "--model", tiny_dir, "--dataset", str(prompts), "--baselines", "", "--config",
+            "2,2,2", "--max-new-tokens", "4", "--out", str(tmp_path / "out")]
+    monkeypatch.setattr(sys, "argv", argv)
+    result = run(*argv[1:])
+    assert result.returncode == 0, result.stderr
+    command = json.loads((tmp_path / "out" / "results.json").read_text())["command"]
+    assert shlex.split(command) == argv
+
+
 def test_bench_corpus_refuses_an_unknown_pair(tiny_dir):
     result = run("bench", "corpus", "--model", tiny_dir, "--pair", "twice")
     assert result.returncode == 2 and "--pair" in result.stderr and "summaries, retry" in result.stderr
@@ -211,6 +280,8 @@ def test_report_lists_every_divergence():
     ]
     table = divergence_table(runs)
     assert "1 of 2 outputs differ" in table and "| plain | b | 0 | 5 | 0.062 | 0.1250 | 2.500 |" in table
+    greedy = [Run(p, "c", 0, "greedy", 8, 8, 1.0, None, None, True, None) for p in "ab"]
+    assert "1 of 2 outputs differ" in divergence_table(runs + greedy)  # `generate` is not compared with itself
     assert "token-identical" in divergence_table(runs[:1])
     sampled = [Run("a", "c", 0, "plain", 8, 8, 1.0, 0.9, 8, None, None)]
     assert "not compared" in divergence_table(sampled)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import sys
 import tempfile
 import threading
@@ -393,6 +394,7 @@ def _load_model(model: str | None, gguf_file: str | None, dtype: str, threads: i
     import torch
     from transformers.utils import logging as hf_logging
 
+    from .hf import check_model
     from .models import WEIGHT_CHOICES, ModelLoadError, load_model
 
     if dtype not in WEIGHT_CHOICES:
@@ -401,8 +403,25 @@ def _load_model(model: str | None, gguf_file: str | None, dtype: str, threads: i
         torch.set_num_threads(threads)
     hf_logging.disable_progress_bar()
     try:
-        return load_model(model, gguf_file=gguf_file, dtype=dtype, **({"tp_plan": "auto"} if tensor_parallel else {}))
+        loaded = load_model(model, gguf_file=gguf_file, dtype=dtype, **({"tp_plan": "auto"} if tensor_parallel else {}))
     except ModelLoadError as error:  # the message says what was looked for and where
+        _fail(str(error))
+    try:
+        check_model(loaded[0])  # every command decodes with lookahead: a model it cannot run is refused here, once
+    except ValueError as error:
+        _fail(str(error))
+    return loaded
+
+
+def _check_prompts(lm, prompts, max_new_tokens: int) -> None:
+    """Every prompt (token ids) fits the model's context with max_new_tokens, before any run: else one line, exit 2
+    (a benchmark had failed part-way, after its baselines, with a traceback)."""
+    from .engine import check_request
+
+    try:
+        for ids in prompts:
+            check_request(lm, ids, max_new_tokens)
+    except ValueError as error:
         _fail(str(error))
 
 
@@ -478,17 +497,21 @@ def bench_command(
         prompts = _workload(dataset, 1, raw, category, limit or 16)
         lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
         inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw)[0] for p in prompts]
+        _check_prompts(lm, inputs, max_new_tokens)
         with _progress() as progress:
             task = progress.add_task("batch sizes", total=len(sizes) * 3, last="")
-            runs = batch_runs(lm, inputs, sizes, max_new_tokens, configs[0] if configs else AUTO_CONFIG,
-                              on_run=lambda r: progress.update(task, advance=1, last=f"B={r.batch_size} {r.method} "
-                                                               f"{r.tokens_per_second:.1f} tok/s"), compile=compile,
-                              rounds=rounds)
+            try:
+                runs = batch_runs(lm, inputs, sizes, max_new_tokens, configs[0] if configs else AUTO_CONFIG,
+                                  on_run=lambda r: progress.update(task, advance=1, last=f"B={r.batch_size} {r.method} "
+                                                                   f"{r.tokens_per_second:.1f} tok/s"), compile=compile,
+                                  rounds=rounds)
+            except MemoryError as error:  # an engine of that many slots
+                raise typer.BadParameter(str(error), param_hint="--batch-size") from error
         env = {**environment(lm), "compiled engines": compile}
         print(batch_table(runs))
         print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
         if out is not None:
-            for path in write_batch(out, runs, env, "lookahead bench " + " ".join(sys.argv[2:])):
+            for path in write_batch(out, runs, env, "lookahead bench " + shlex.join(sys.argv[2:])):
                 print(f"wrote {path}")
         return
     _refuse_given(ctx, ["rounds"], "only applies with --batch-size (the workload benchmark rotates the order of "
@@ -519,6 +542,7 @@ def bench_command(
     if turns > 1 and not has_chat_template(tokenizer):
         raise typer.BadParameter("a second turn needs the model's chat template, which this tokenizer lacks",
                                  param_hint="--turns")
+    _check_prompts(lm, [encode_prompt(tokenizer, p.turns[0], raw=p.raw) for p in prompts], max_new_tokens)
     total = len(methods) * sum(len(p.turns) for p in prompts)
     with _progress() as progress:
         task = progress.add_task(f"{dataset}", total=total, last="")
@@ -541,7 +565,7 @@ def bench_command(
         for row in (r for r in rows if r.category == "all" and r.overhead_fraction is not None):
             print(profile_line(row, [r for r in runs if r.method == row.method]))
     if out is not None:
-        for path in write_benchmark(out, runs, rows, env, "lookahead bench " + " ".join(sys.argv[2:]), baseline):
+        for path in write_benchmark(out, runs, rows, env, "lookahead bench " + shlex.join(sys.argv[2:]), baseline):
             print(f"wrote {path}")
 
 
@@ -577,6 +601,7 @@ def sweep_command(
     prompts = _workload(dataset, 1, False, None, limit)
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw) for p in prompts]
+    _check_prompts(lm, inputs, max_new_tokens)
     points = sweep(lm, inputs, *grid, max_new_tokens)
     print("| W | N | G | tokens fed/step | tokens/step | seconds |\n|---|---|---|---|---|---|")
     for p in points:
@@ -615,7 +640,10 @@ def cost_command(
         raise typer.BadParameter(f"--context ({context}) + --max-k ({max_k}) exceeds the model's context of {room} "
                                  "positions", param_hint="--max-k")
     sizes = tuple(sorted({1, *(2**i for i in range(max_k.bit_length()) if 2**i <= max_k), max_k}))
-    runner = HFModelRunner(lm, packed_linear=packed_linear, compile=_compile_mode(compile, cpp_wrapper))
+    try:
+        runner = HFModelRunner(lm, packed_linear=packed_linear, compile=_compile_mode(compile, cpp_wrapper))
+    except ValueError as error:  # packed linears for a model that has none to pack
+        raise typer.BadParameter(str(error), param_hint="--packed-linear") from error
     if runner.packing is None:
         cost_curve(runner)  # settles which linear path generate takes here
     if runner.compile:
@@ -654,7 +682,11 @@ def corpus_command(
     articles = [p for p in load_workload("spec_bench") if p.category == "summarization"][:limit]
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     documents = {p.id: p.turns[0].removeprefix("Summarize: ")[:chars] for p in articles}
-    print(corpus_table(corpus_runs(lm, tokenizer, documents, max_new_tokens, pair)))
+    try:
+        runs = corpus_runs(lm, tokenizer, documents, max_new_tokens, pair)
+    except ValueError as error:  # a request past the context: at the first article's
+        _fail(str(error))
+    print(corpus_table(runs))
 
 
 @bench_app.command("serve")
@@ -684,6 +716,7 @@ def bench_serve_command(
     from .bench.runner import environment
     from .bench.serve import load_table, serve_load
     from .models import DEFAULT_MODEL_NAME
+    from .prompts import has_chat_template
     from .serve import create_app, serve_in_thread
 
     if url is not None:
@@ -724,10 +757,16 @@ def bench_serve_command(
         env = {"server": base, "model": name, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     else:
         lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
+        if not has_chat_template(tokenizer):  # the clients send chat requests, which the server would refuse
+            raise typer.BadParameter("the benchmark's clients chat, and this model's tokenizer has no chat template",
+                                     param_hint="--model")
         name = model or DEFAULT_MODEL_NAME
         keys = tuple(f"bench-{run}" for run in range(2 * rounds))  # a corpus per run
-        server_app = create_app(lm, tokenizer, model_name=name, max_batch=max_batch or clients,
-                                max_queue=max(requests or 2 * clients, clients), compile=compile, api_keys=keys)
+        try:
+            server_app = create_app(lm, tokenizer, model_name=name, max_batch=max_batch or clients,
+                                    max_queue=max(requests or 2 * clients, clients), compile=compile, api_keys=keys)
+        except (ValueError, MemoryError) as error:
+            _fail(str(error))
         with serve_in_thread(server_app) as base:
             runs = measure(base, name, keys)
         env = {**environment(lm), "max_batch": max_batch or clients, "compiled": compile}
@@ -735,7 +774,7 @@ def bench_serve_command(
     print(load_table(runs))
     print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
     if out is not None:
-        for path in write_serve(out, runs, env, "lookahead bench serve " + " ".join(sys.argv[3:])):
+        for path in write_serve(out, runs, env, "lookahead bench serve " + shlex.join(sys.argv[3:])):
             print(f"wrote {path}")
     failures = [f"{run.mode}: {run.failed} of {run.requests} requests failed ({'; '.join(run.errors)})"
                 for run in runs if run.failed]
@@ -841,7 +880,7 @@ def bench_parallel_command(
     print(prediction_table(predictions, runs))
     print("\n" + ", ".join(f"{k}: {v}" for k, v in env.items()))
     if out is not None:
-        for path in write_parallel(out, runs, predictions, env, "lookahead bench parallel " + " ".join(sys.argv[3:])):
+        for path in write_parallel(out, runs, predictions, env, "lookahead bench parallel " + shlex.join(sys.argv[3:])):
             print(f"wrote {path}")
 
 

@@ -75,11 +75,12 @@ def divergence_table(runs: list[Run]) -> str:
     """Every output that differs from transformers' `generate`, with how close to a tie it diverged."""
     if all(r.identical is None for r in runs):
         return "Outputs were not compared token for token (sampling, or no `greedy` baseline)."
-    diverged = [r for r in runs if r.identical is False]
+    compared = [r for r in runs if r.identical is not None and r.method != "greedy"]  # not `generate` with itself
+    diverged = [r for r in compared if r.identical is False]
     if not diverged:
         return "Every output was token-identical to transformers' `generate`."
     lines = [
-        f"{len(diverged)} of {sum(r.identical is not None for r in runs)} outputs differ from transformers' "
+        f"{len(diverged)} of {len(compared)} outputs differ from transformers' "
         "`generate`. At the first difference, |gap| is the logit difference between the two chosen tokens; "
         "the median gap is that of the top two tokens over the whole output (float32 forward of the same weights); "
         "spacing, the step between neighbouring values of the model's dtype at that logit.",
