@@ -911,6 +911,8 @@ def serve_command(
     from .serve import create_app, hosts_to_allow
 
     _check_address(host, port)  # before the model loads (minutes with --compile)
+    if not corpus_mb <= 2**40:  # (typer's min=0 refuses below; Corpus checks the rest, the room for one token)
+        raise typer.BadParameter(f"must be 0 (no corpus) or at most 2**40, got {corpus_mb!r}", param_hint="--corpus-mb")
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     name = model or DEFAULT_MODEL_NAME
     try:

@@ -12,7 +12,9 @@ Both round a layer's input to bfloat16 and its output too (torch's kernels take 
 float32 inputs they fall back to a path 20-40x slower), and return the output in the model's dtype; everything
 else stays in its own dtype. Every kernel here computes each input row on its own (a row's result is bit-identical whether
 it is fed alone or among others), which is what keeps lookahead's greedy output token-identical to `generate`
-on the same quantised model.
+on the same quantised model, but for near-ties: the rest of a step (attention over other rows) can differ from
+`generate`'s in float32's last bits, which the next layer's rounding to bfloat16 can make a bfloat16 step, and two
+tokens whose logits tie within one can then swap (int8 as int4).
 
 Quantising is a one-way approximation of the float weights: a quantised model is its own model, with
 transformers' `generate` on it as the reference. It is the same module for both, so both run the same

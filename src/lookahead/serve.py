@@ -671,8 +671,11 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                                   and not (parts.path or parts.query or parts.fragment)):
             raise ValueError(f"an allowed origin must be * or scheme://host[:port], as a browser sends it (no path, "
                              f"no trailing slash), got {origin!r}")
-    if corpus_megabytes != 0:
-        Corpus(max_megabytes=corpus_megabytes)  # a cap that no corpus could take fails here, not at a request
+    if corpus_megabytes != 0:  # a cap that no corpus could take fails here, not at a request
+        try:
+            Corpus(max_megabytes=corpus_megabytes)
+        except ValueError as error:
+            raise ValueError(f"corpus_megabytes must be 0 (no corpus) or a cap a corpus can take: {error}") from None
     engine = Engine(model, max_batch=max_batch, max_length=max_length, compile=compile)
     engine.warm_up()  # compiled steps: their shapes compile now, not during the first requests
     engine_loop = EngineLoop(engine, max_queue)
