@@ -303,6 +303,8 @@ def test_bench_batch_sizes_on_a_tiny_model(tiny_dir, tmp_path):
     assert (tmp_path / "batch.png").stat().st_size > 0 and "| 3 | lookahead |" in (tmp_path / "report.md").read_text()
     bad = run("bench", "--model", tiny_dir, "--batch-size", "0,2")
     assert bad.returncode == 2 and "--batch-size" in bad.stderr
+    bad = run("bench", "--model", tiny_dir, "--batch-size", "1,4", "--limit", "2")  # had run, 2 sequences labelled 4
+    assert bad.returncode == 2 and "batch size 4 needs as many prompts; the workload gives 2" in bad.stderr
     for args in (["--batch-size", "2", "--rounds", "0"], ["--rounds", "3"]):
         bad = run("bench", "--model", tiny_dir, *args)
         assert bad.returncode == 2 and "--rounds" in bad.stderr

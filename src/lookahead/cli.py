@@ -495,6 +495,9 @@ def bench_command(
         if configs is not None and len(configs) > 1:
             raise typer.BadParameter("--batch-size runs one lookahead config: give --config once", param_hint="--config")
         prompts = _workload(dataset, 1, raw, category, limit or 16)
+        if max(sizes) > len(prompts):  # its runs would decode fewer sequences together than their label says
+            raise typer.BadParameter(f"batch size {max(sizes)} needs as many prompts; the workload gives "
+                                     f"{len(prompts)} (--limit, --dataset, --category)", param_hint="--batch-size")
         lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
         inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw)[0] for p in prompts]
         _check_prompts(lm, inputs, max_new_tokens)
