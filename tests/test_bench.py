@@ -140,11 +140,19 @@ def test_every_bench_command_refuses_a_model_lookahead_cannot_run_in_a_line(line
 @pytest.mark.parametrize("command", [["bench"], ["bench", "--batch-size", "1"], ["bench", "sweep"], ["bench", "corpus"]])
 def test_bench_commands_refuse_prompts_past_the_context_before_any_run(tiny_dir, command, monkeypatch):
     """A benchmark had run transformers' baseline on the first prompt, then failed on ours with a traceback."""
-    import lookahead.bench.runner
+    from transformers.generation.utils import GenerationMixin
 
-    monkeypatch.setattr(lookahead.bench.runner, "hf_generate", lambda *args, **kwargs: pytest.fail("a baseline ran"))
+    monkeypatch.setattr(GenerationMixin, "generate", lambda *args, **kwargs: pytest.fail("a baseline ran"))
     result = run(*command, "--model", tiny_dir, "--limit", "1", "--max-new-tokens", "5000")
     assert result.returncode == 2 and "exceeds the model's context of 2048 positions" in result.stderr, result.stderr
+
+
+def test_what_only_a_bench_run_finds_ends_it_in_a_line(tiny_dir):
+    """A sample of scores a temperature of 1e-45 overflows (or a second turn past the context) had ended the
+    benchmark in a traceback."""
+    result = run("bench", "--model", tiny_dir, "--sample", "--temperature", "1e-45", "--limit", "1", "--baselines", "",
+                 "--config", "2,2,2", "--max-new-tokens", "4")
+    assert result.returncode == 2 and "Error: sampling: the processed scores are not finite" in result.stderr
 
 
 def test_bench_cost_refuses_packed_linears_where_there_are_none_by_the_option(tiny_dir):

@@ -249,14 +249,18 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_loading_the_model(m
     assert result.returncode == 2 and "cannot listen on no-such-host.invalid:8000" in result.stderr
 
 
-@pytest.mark.parametrize("value", ["inf", "1e13"])  # (nan: typer refuses it by its min=0)
-def test_serve_refuses_a_corpus_cap_past_its_range_by_the_option_before_loading_the_model(monkeypatch, value):
-    """The refusal had named max_megabytes and a range without 0, which --corpus-mb takes (no corpus)."""
+@pytest.mark.parametrize("value, words", [("inf", "in (0, 2**40]"), ("1e13", "in (0, 2**40]"),
+                                          ("1e-9", "must hold at least one token")])  # (nan: typer's min=0 refuses it)
+def test_serve_refuses_a_corpus_cap_no_corpus_takes_by_the_option_before_loading_the_model(monkeypatch, value, words):
+    """The refusal had come once the model had loaded, naming max_megabytes and a range without 0, which --corpus-mb
+    takes (no corpus)."""
     from lookahead import cli
 
     monkeypatch.setattr(cli, "_load_model", lambda *_: pytest.fail("the model loaded before --corpus-mb was checked"))
     result = run_cli("serve", "--corpus-mb", value, "--port", "0")
-    assert result.returncode == 2 and "--corpus-mb" in result.stderr and "must be 0 (no corpus) or at most" in result.stderr
+    message = " ".join(result.stderr.replace("│", " ").split())
+    assert result.returncode == 2 and "--corpus-mb" in message and "must be 0 (no corpus) or a corpus's cap" in message
+    assert words in message
 
 
 def test_bench_refuses_an_out_folder_it_cannot_write_into_before_any_work(tmp_path, monkeypatch):

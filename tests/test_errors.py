@@ -75,8 +75,12 @@ def test_token_ids_stored_unsigned_are_taken(llama_tiny):
     padded = generate(llama_tiny, np.array([[0, 5, 6, 7, 8]], dtype=np.uint32), attention_mask=[[0, 1, 1, 1, 1]],
                       max_new_tokens=4, eos_token_id=[])
     assert torch.equal(padded.sequences[:, 1:], expected)
-    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+    with pytest.raises(ValueError, match="input_ids holds a token id of 2\\*\\*63 or more"):
         generate(llama_tiny, np.array([5, 2**64 - 1], dtype=np.uint64), max_new_tokens=2)
+    stop = int(expected[0, 5])  # the second new token: a stop token given unsigned ends the reply there
+    for eos in (np.uint32(stop), np.array([stop], dtype=np.uint16)):
+        out = generate(llama_tiny, [5, 6, 7, 8], max_new_tokens=4, eos_token_id=eos)
+        assert out.sequences[0].tolist() == expected[0, :6].tolist(), eos
 
 
 @pytest.mark.parametrize("value", [0, -3, 2.0, "3"])  # None: the generation config's length (test_transformers_parity)

@@ -248,9 +248,11 @@ def _misuse(case: str) -> None:
         parallel_generate(model, PROMPT, 8)
     if case == "padding":  # generate reads the pad token as padding; parallel_generate had decoded it as text
         model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
-        parallel_generate(model, [0, 0] + PROMPT, 8)
+        parallel_generate(model, torch.tensor([[0, 0] + PROMPT]), 8)  # (a 1-D prompt is read as it is, as generate does)
     if case == "seed":
         parallel_generate(model, PROMPT, 8, seed=1.5)
+    if case == "scalar":
+        parallel_generate(model, torch.tensor(5), 8)
 
 
 @pytest.mark.parametrize("case, words", [("budget", "fixed step"), ("prompts", "different prompts"),
@@ -259,7 +261,8 @@ def _misuse(case: str) -> None:
                                          ("output_scores", "sets output_scores=True"),
                                          ("output_logits", "sets output_logits=True"),
                                          ("padding", r"holds the pad token \(id 0\), which generate reads as padding"),
-                                         ("seed", r"seed must be an integer in \[-2\*\*63, 2\*\*64\), got 1.5")])
+                                         ("seed", r"seed must be an integer in \[-2\*\*63, 2\*\*64\), got 1.5"),
+                                         ("scalar", r"input_ids must have shape \[n\] or \[B, n\]")])
 def test_misuse_is_refused_on_every_rank(case, words):
     with pytest.raises(WorkerError, match=words):
         run_workers(2, _misuse, case, threads=1)
@@ -280,6 +283,20 @@ def _lengths_from_the_generation_config() -> tuple[int, int]:
     model.generation_config.max_new_tokens, model.generation_config.max_length = None, len(PROMPT) + 6
     by_length = parallel_generate(model, PROMPT, config=LookaheadConfig(4, 3, 4), eos_token_id=[])
     return by_new_tokens.sequences.shape[1] - len(PROMPT), by_length.sequences.shape[1] - len(PROMPT)
+
+
+def _one_row_holding_the_pad_token() -> list[int]:
+    model = make_tiny_model("llama")
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
+    return parallel_generate(model, [5, 0] + PROMPT, 12, LookaheadConfig(4, 3, 4), eos_token_id=[]).sequences[0].tolist()
+
+
+def test_a_one_dimensional_prompt_holding_the_pad_token_is_read_as_generate_reads_it():
+    """Only [B, n] ids have their pad tokens read as padding by generate: a 1-D prompt is decoded as it is."""
+    model = make_tiny_model("llama")
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
+    expected = generate(model, [5, 0] + PROMPT, max_new_tokens=12, eos_token_id=[]).sequences[0].tolist()
+    assert run_workers(2, _one_row_holding_the_pad_token, threads=1) == expected
 
 
 def test_max_new_tokens_unset_is_the_generation_configs_as_in_generate():

@@ -177,14 +177,17 @@ def test_a_client_that_leaves_frees_its_slot(server):
     assert engine.running() == 0
 
 
-def test_a_stalled_stream_with_logprobs_holds_no_row_of_the_vocabulary(llama_tiny):
+def test_a_stalled_stream_with_logprobs_holds_no_row_of_the_vocabulary():
     """Outputs wait in a stream for a reader that has fallen behind (a client that stopped reading): with logprobs,
     each with a few numbers a token, cut from the logits on the engine's thread. They had each held the step's
     [tokens, vocab] float32 logits (a review measured 1.8 GB over four streams of 4,000 tokens, 49,152 ids)."""
+    from conftest import make_tiny_model
+
     from lookahead import LookaheadConfig
     from lookahead.engine import Engine, RequestParams
     from lookahead.serve import EngineLoop
 
+    llama_tiny = make_tiny_model("llama")  # a model of its own: no other test's engine thread runs on it
     logits = llama_tiny(reference_greedy(llama_tiny, torch.tensor([[5, 6, 7, 8]]), 12, eos_token_id=[])).logits[0, 3:-1]
     expected = torch.log_softmax(logits.float(), dim=-1)
 
@@ -1282,6 +1285,31 @@ def test_prompt_scoring_waits_its_turn_and_a_full_server_says_when_to_retry(defa
         assert scored == [4, 4, 4]  # the refused request ran no forward
         code, three = raw(f"{url}/v1/completions", {**body, "prompt": ["Roses are red"] * 3})
         assert code == 200 and [c["logprobs"] for c in three["choices"]] == [replies[0][1]["choices"][0]["logprobs"]] * 3
+
+
+def test_log_probabilities_that_fail_fail_their_request_alone(default_model, monkeypatch):
+    """They are computed on the engine's thread: one failing (out of memory, say) had ended that thread, and with it
+    every request after (503)."""
+    import lookahead.serve
+
+    model, tokenizer = default_model
+    of, calls = lookahead.serve._TokenLogprobs.of, []
+
+    def failing_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (simulated)")
+        return of(*args)
+
+    monkeypatch.setattr(lookahead.serve._TokenLogprobs, "of", staticmethod(failing_once))
+    app = create_app(model, tokenizer, model_name=MODEL, max_batch=1, max_queue=1, max_length=256)
+    body = {"model": MODEL, "prompt": "Roses are red", "max_tokens": 3, "logprobs": 2, "temperature": 0}
+    with serve_in_thread(app) as url:
+        code, failed = raw(f"{url}/v1/completions", body)
+        assert code == 500 and "out of memory (simulated)" in failed["error"]["message"]
+        code, reply = raw(f"{url}/v1/completions", body)
+        assert code == 200 and len(reply["choices"][0]["logprobs"]["tokens"]) == 3
+        assert app.state.engine_loop.alive()
 
 
 def test_a_client_that_leaves_while_its_echoed_prompt_waits_to_be_scored_frees_its_slot(default_model, monkeypatch):

@@ -549,11 +549,14 @@ def bench_command(
     total = len(methods) * sum(len(p.turns) for p in prompts)
     with _progress() as progress:
         task = progress.add_task(f"{dataset}", total=total, last="")
-        runs = run_benchmark(
-            lm, tokenizer, prompts, methods, max_new_tokens,
-            on_run=lambda r: progress.update(task, advance=1, last=f"{r.method} {r.tokens_per_step:.2f} tok/step"),
-            sampling=sampling,
-        )
+        try:
+            runs = run_benchmark(
+                lm, tokenizer, prompts, methods, max_new_tokens,
+                on_run=lambda r: progress.update(task, advance=1, last=f"{r.method} {r.tokens_per_step:.2f} tok/step"),
+                sampling=sampling,
+            )
+        except ValueError as error:  # what only a run finds: a later turn past the context, a sample of inf scores
+            _fail(str(error))
     baseline = "sample" if sample else "greedy"
     rows = summarize(runs, baseline=baseline)
     env = environment(lm)
@@ -828,13 +831,10 @@ def bench_parallel_command(
 ) -> None:
     """1..K worker processes sharing each step (gloo, --threads each) at one fixed W,N,G: tokens/s, steps/s,
     identical outputs; and the speedup a cost model predicts for K devices from T(k)."""
-    import torch
-
     from .bench.parallel import curve_from_points, parallel_runs, parallel_table, predicted_speedups, prediction_table
     from .bench.report import write_parallel
     from .bench.runner import environment
     from .costs import CostCurve, forward_cost
-    from .engine import check_request
     from .hf import HFModelRunner
     from .parallel import WorkerError
     from .prompts import encode_prompt
@@ -856,11 +856,7 @@ def bench_parallel_command(
     prompts = _workload(dataset, 1, raw, None, limit)
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     inputs = [encode_prompt(tokenizer, p.turns[0], raw=p.raw)[0].tolist() for p in prompts]
-    try:  # here, before any worker starts
-        for ids in inputs:
-            check_request(lm, torch.tensor(ids), max_new_tokens)
-    except ValueError as error:
-        _fail(str(error))
+    _check_prompts(lm, inputs, max_new_tokens)  # here, before any worker starts
     with _progress() as progress:
         task = progress.add_task("worker counts", total=len(counts), last="")
         try:
@@ -914,8 +910,13 @@ def serve_command(
     from .serve import create_app, hosts_to_allow
 
     _check_address(host, port)  # before the model loads (minutes with --compile)
-    if not corpus_mb <= 2**40:  # (typer's min=0 refuses below; Corpus checks the rest, the room for one token)
-        raise typer.BadParameter(f"must be 0 (no corpus) or at most 2**40, got {corpus_mb!r}", param_hint="--corpus-mb")
+    if corpus_mb:  # (typer's min=0 refuses below 0) a cap no corpus can take, before the model loads
+        from .core.suffix import Corpus
+
+        try:
+            Corpus(max_megabytes=corpus_mb)
+        except ValueError as error:
+            raise typer.BadParameter(f"must be 0 (no corpus) or a corpus's cap: {error}", param_hint="--corpus-mb")
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     name = model or DEFAULT_MODEL_NAME
     try:

@@ -712,8 +712,15 @@ def as_token_tensor(input_ids: object, name: str = "input_ids") -> torch.Tensor:
         got = f"{type(input_ids).__name__} of str" if text and not isinstance(input_ids, str) else type(input_ids).__name__
         hint = " (text: encode it with the tokenizer first, e.g. lookahead.prompts.encode_prompt)" if text else ""
         raise ValueError(f"{name} must be token ids (a list of ints or an integer tensor), got {got}{hint}") from error
-    # Token ids stored unsigned (numpy's uint16 or uint32 arrays of a tokenised dataset): torch compares none of these
-    # dtypes, so they are taken as int64, which holds every token id.
+    signed = _signed(ids)
+    if ids.dtype == torch.uint64 and bool((signed < 0).any()):
+        raise ValueError(f"{name} holds a token id of 2**63 or more, outside every vocabulary")
+    return signed
+
+
+def _signed(ids: torch.Tensor) -> torch.Tensor:
+    """Token ids stored unsigned (numpy's uint16 or uint32 arrays of a tokenised dataset) as int64, which holds every
+    token id: torch compares none of these dtypes (uint8 aside). A uint64 id of 2**63 or more turns negative."""
     return ids.to(torch.int64) if ids.dtype in (torch.uint16, torch.uint32, torch.uint64) else ids
 
 
@@ -775,7 +782,7 @@ def _check_config_processors(model: PreTrainedModel, options: DecodingOptions, s
     forced = getattr(config, "forced_eos_token_id", None)
     if forced is not None:
         try:
-            ids = torch.as_tensor(forced).view(-1)
+            ids = _signed(torch.as_tensor(forced)).view(-1)
         except (TypeError, ValueError, RuntimeError):
             ids = None
         if ids is None or ids.dtype not in TOKEN_DTYPES or bool(((ids < 0) | (ids >= vocabulary)).any()):
@@ -802,7 +809,7 @@ def eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None,
     if eos_token_id is None:
         return []
     try:
-        ids = torch.as_tensor(eos_token_id)
+        ids = _signed(torch.as_tensor(eos_token_id))
     except (TypeError, ValueError, RuntimeError):
         ids = None
     if ids is not None and ids.dim() == 1 and ids.numel() == 0:  # no stop token (an empty list is float)

@@ -82,9 +82,11 @@ def parallel_generate(
         raise ValueError("parallel decoding takes a fixed step (LookaheadConfig with budget=False): a budgeted "
                          "step follows one device's cost curve")
     seed = checked_int("seed", seed, -2**63, 2**64 - 1, allowed="an integer in [-2**63, 2**64)")
-    max_new_tokens = new_token_count(model.generation_config, max_new_tokens, as_token_tensor(input_ids).shape[-1])
+    given = as_token_tensor(input_ids)
+    max_new_tokens = new_token_count(model.generation_config, max_new_tokens, given.shape[-1] if given.dim() else 1)
     prompt = check_request(model, input_ids, max_new_tokens)
-    _check_unpadded(model, prompt, eos_token_id)
+    if given.dim() == 2:  # where generate, given no attention mask, reads the pad token as padding ([B, n] ids)
+        _check_unpadded(model, prompt, eos_token_id)
     if do_sample is None:
         do_sample = bool(getattr(model.generation_config, "do_sample", False))
     rank, workers = dist.get_rank(group), dist.get_world_size(group)
@@ -165,7 +167,7 @@ def check_one_process_settings(model: PreTrainedModel) -> None:
 
 
 def _check_unpadded(model: PreTrainedModel, prompt: torch.Tensor, eos_token_id) -> None:
-    """Raise where the prompt holds the pad token that `generate`, given no attention mask, reads as padding:
+    """Raise where a [1, n] prompt holds the pad token that `generate`, given no attention mask, reads as padding:
     parallel_generate takes one prompt and no mask, and would decode the padding as text."""
     padding = inferred_padding(model, model.generation_config, eos_token_id, None)
     if padding is not None and bool((prompt == padding).any()):

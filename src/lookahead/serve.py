@@ -453,7 +453,7 @@ class _TokenLogprobs:
         chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
         if not top:
             return _TokenLogprobs(chosen, [[] for _ in tokens])
-        values, ids = logprobs.topk(top, dim=-1)
+        values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)  # (a vocabulary smaller than top)
         return _TokenLogprobs(chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())])
 
 
@@ -469,12 +469,17 @@ class _Stream:
     queue: asyncio.Queue[tuple[StepOutput, _TokenLogprobs | None] | APIError] = field(default_factory=asyncio.Queue)
 
     def put(self, delivery: StepOutput | APIError) -> None:
-        """Hand `delivery` to the reader's loop (from the engine's thread)."""
+        """Hand `delivery` to the reader's loop (from the engine's thread). Scoring that fails (out of memory, say)
+        fails this request alone (its reader aborts it), not the engine's thread."""
         if isinstance(delivery, StepOutput):
-            scored = None
-            if self.top is not None and delivery.logits is not None and delivery.tokens:
-                scored = _TokenLogprobs.of(delivery.tokens, delivery.logits, self.top)
-            delivery = (dataclasses.replace(delivery, logits=None), scored)
+            try:
+                scored = None
+                if self.top is not None and delivery.logits is not None and delivery.tokens:
+                    scored = _TokenLogprobs.of(delivery.tokens, delivery.logits, self.top)
+                delivery = (dataclasses.replace(delivery, logits=None), scored)
+            except Exception as error:  # noqa: BLE001 - logged; the request ends with a server error
+                traceback.print_exc()
+                delivery = _engine_failure(error)
         _call_on(self.loop, self.queue.put_nowait, delivery)
 
 
