@@ -266,3 +266,54 @@ def test_int4_lookahead_on_stacked_layers_follows_generate(llama_tiny):
     expected = generate(model, prompt, max_new_tokens=30, packed_linear=False).sequences
     assert torch.equal(generate(model, prompt, max_new_tokens=30, packed_linear=True).sequences, expected)
     assert _follows_generate_up_to_ties(model, [prompt], 30) == 1  # and transformers' (our two could agree wrongly)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantised_model_cast_to_another_dtype_keeps_its_kernels_formats(kind):
+    """`.float()`, `.half()` (and TieMeter, which widens a bfloat16 model) had cast the bfloat16 scales too, which the
+    kernels refuse: the next forward raised. The weights stay as quantised, the bias follows the model."""
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    model = quantise_weights(make_tiny_model("llama"), kind)
+    expected = model(prompt).logits
+    assert torch.equal(copy.deepcopy(model).float()(prompt).logits, expected)
+    half = copy.deepcopy(model).half()
+    assert half(prompt).logits.dtype == torch.float16
+    assert torch.allclose(half(prompt).logits.float(), expected, atol=0.1)
+    wide = quantise_weights(make_tiny_model("llama").to(torch.bfloat16), kind)
+    reference = wide.generate(prompt, do_sample=False, max_new_tokens=4, pad_token_id=0)[0, 6:].tolist()
+    other = reference[:3] + [(reference[3] + 1) % 128]
+    gap, _, _ = TieMeter(wide).gaps(prompt, reference, other, 3)
+    assert gap >= 0
+
+
+QUANTISED_IN_A_NEW_PROCESS = """
+import sys, torch
+from torch import nn
+from lookahead.quant import Int4Linear
+if sys.argv[1] == "built":
+    layer = Int4Linear(nn.Linear(64, 32), ours=True)
+else:
+    layer = torch.load(sys.argv[1], weights_only=False)
+print(tuple(layer(torch.ones(1, 64)).shape))
+"""
+
+
+@OURS_RUN
+def test_an_int4_layer_on_our_kernel_runs_in_a_process_that_had_not_loaded_it(tmp_path):
+    """Built with ours=True, or unpickled (torch.load), the layer had called our operator before any code loaded it
+    in that process: AttributeError at the first forward."""
+    import subprocess
+    import sys
+
+    torch.save(Int4Linear(nn.Linear(64, 32), ours=True), tmp_path / "layer.pt")
+    for how in ("built", str(tmp_path / "layer.pt")):
+        done = subprocess.run([sys.executable, "-c", QUANTISED_IN_A_NEW_PROCESS, how], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0 and done.stdout.strip() == "(1, 32)", done.stderr
+
+
+def test_an_int4_layer_refuses_our_kernel_where_it_does_not_run(monkeypatch):
+    monkeypatch.setattr(kernels, "runs_q4", lambda: False)
+    with pytest.raises(RuntimeError, match="runs lookahead's 4-bit kernel, which does not run here"):
+        Int4Linear(nn.Linear(64, 32), ours=True)
+    assert not Int4Linear(nn.Linear(64, 32)).ours  # None: where it runs

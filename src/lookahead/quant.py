@@ -36,7 +36,20 @@ KERNEL_ALIGNMENT = 16
 _KERNEL_DTYPE = torch.bfloat16
 
 
-class Int8Linear(nn.Module):
+class _QuantisedLinear(nn.Module):
+    """A layer whose weights keep the kernels' formats: they follow the model to another device, never to another
+    dtype (`model.float()`, `.half()`, as `TieMeter` widens a model, had turned the bfloat16 scales to floats the
+    kernels refuse); the bias follows both, as a float layer's."""
+
+    def _apply(self, fn, recurse: bool = True):
+        for name, buffer in self._buffers.items():
+            if buffer is not None:  # the device fn moves a tensor to that no dtype change touches
+                self._buffers[name] = fn(buffer) if name == "bias" else buffer.to(
+                    fn(torch.empty(0, dtype=torch.uint8, device=buffer.device)).device)
+        return self
+
+
+class Int8Linear(_QuantisedLinear):
     """y = x W^T + b with W stored as int8 codes times a scale per output channel."""
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -57,7 +70,7 @@ class Int8Linear(nn.Module):
         return _finish(out, x, self.bias)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_QuantisedLinear):
     """y = x W^T + b with W in groups of 32 inputs: w = scale * (code - 8) + zero, code in 0..15, i.e.
     scale * code + minimum, as GGUF's Q4_1 blocks store it. ours: run our kernel (None: where it runs)."""
 
@@ -77,6 +90,7 @@ class Int4Linear(nn.Module):
         codes = codes.view(out_features, in_features).to(torch.int32)
         self.in_features, self.out_features = in_features, out_features
         self.ours = kernels.runs_q4() if ours is None else ours
+        self._check_kernel()
         if self.ours:
             packed, scales_and_zeros = kernels.pack_q4(codes, scale, zero)
             self.register_buffer("codes", packed)
@@ -86,6 +100,16 @@ class Int4Linear(nn.Module):
             # [groups, out_features, 2]: the kernel's layout of (scale, zero)
             self.register_buffer("scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def __setstate__(self, state: dict) -> None:  # unpickled (torch.load) in a process that has not loaded our kernel
+        super().__setstate__(state)
+        self._check_kernel()
+
+    def _check_kernel(self) -> None:
+        """Load our 4-bit kernel where this layer runs it (`runs_q4` loads it); raise where it does not run here."""
+        if self.ours and not kernels.runs_q4():
+            raise RuntimeError("this int4 layer runs lookahead's 4-bit kernel, which does not run here (it needs "
+                               "AVX-512 BF16 and a C compiler: see kernels.library); quantise with ours=False")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:
