@@ -252,6 +252,7 @@ def test_a_generation_configs_pad_token_that_is_no_token_id_is_refused(llama_tin
                                              r"\(text: encode it with the tokenizer first"),
         ({"input_ids": ["hello", "hi"]}, ValueError, r"must be token ids .*, got list of str \(text: encode it"),
         ({"proposers": [object()]}, TypeError, r"proposers must be a list of draft sources with propose\(text, limit\)"),
+        ({"proposers": 5}, TypeError, r"proposers must be a list of draft sources .*got int"),  # had been tuple(5)'s TypeError
         ({"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.tensor([[0, 0, 0], [1, 1, 1]])},
          ValueError, "attention_mask leaves row 0 without a token"),
         ({"no_such_option": 1}, TypeError, "neither its arguments nor generation config fields: no_such_option"),
@@ -279,7 +280,7 @@ def test_a_generation_configs_pad_token_that_is_no_token_id_is_refused(llama_tin
         ({"packed_linear": "no"}, TypeError, "packed_linear must be True, False or None, got 'no'"),
     ],
     ids=["temperature", "top-p", "eos-float", "eos-string", "eos-negative", "pad", "corpus-type",
-         "corpus-vocabulary", "no-prompt", "text-prompt", "texts-prompt", "proposer", "empty-row", "unknown-option",
+         "corpus-vocabulary", "no-prompt", "text-prompt", "texts-prompt", "proposer", "proposers-int", "empty-row", "unknown-option",
          "generation-config-type", "beam-search", "forced-words", "sampled-sequences", "assistant-model",
          "output-logits-type", "attentions", "forced-eos-vocabulary", "forced-eos-float", "min-new-tokens-type",
          "decay-pair", "min-p", "tokenizer-type", "padding-vocabulary", "packed-linear"],

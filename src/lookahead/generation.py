@@ -122,7 +122,8 @@ def generate(
     if output_logits is None:
         output_logits = bool(getattr(settings, "output_logits", None))
     params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
-                           repetition_penalty, logits_processor, None, generator, corpus, tuple(proposers), criteria,
+                           repetition_penalty, logits_processor, None, generator, corpus,
+                           tuple(proposers) if isinstance(proposers, (list, tuple)) else proposers, criteria,
                            output_scores, output_logits, None if settings is model.generation_config else settings,
                            prefix_allowed_tokens_fn)
     check_params(model, params)
