@@ -317,3 +317,11 @@ def test_an_int4_layer_refuses_our_kernel_where_it_does_not_run(monkeypatch):
     with pytest.raises(RuntimeError, match="runs lookahead's 4-bit kernel, which does not run here"):
         Int4Linear(nn.Linear(64, 32), ours=True)
     assert not Int4Linear(nn.Linear(64, 32)).ours  # None: where it runs
+
+
+def test_a_model_none_of_whose_layers_the_kernels_take_is_refused_not_labelled():
+    """Its only linear layer (40 inputs) kept its float weights, and the model had been labelled int8 all the same."""
+    model = nn.Sequential(nn.Linear(40, 8))
+    with pytest.raises(ValueError, match="none of Sequential's nn.Linear layers has a shape the kernels take"):
+        quantise_weights(model, "int8")
+    assert weights_of(model) is None

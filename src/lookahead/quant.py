@@ -162,6 +162,9 @@ def quantise_weights(model: nn.Module, kind: str) -> nn.Module:
         if replacements[id(linear)] is not None:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, replacements[id(linear)])
+    if not any(replacements.values()):  # nothing quantised: a model labelled int8 or int4 that is its float self
+        raise ValueError(f"none of {type(model).__name__}'s nn.Linear layers has a shape the kernels take (input "
+                         f"features a multiple of {KERNEL_ALIGNMENT}): it keeps its float weights")
     # On the model, not its config, which other models built from the same config object share.
     model.lookahead_weights = kind
     return model
