@@ -188,7 +188,9 @@ def test_a_stalled_stream_with_logprobs_holds_no_row_of_the_vocabulary():
     from lookahead.serve import EngineLoop
 
     llama_tiny = make_tiny_model("llama")  # a model of its own: no other test's engine thread runs on it
-    logits = llama_tiny(reference_greedy(llama_tiny, torch.tensor([[5, 6, 7, 8]]), 12, eos_token_id=[])).logits[0, 3:-1]
+    reference = reference_greedy(llama_tiny, torch.tensor([[5, 6, 7, 8]]), 12, eos_token_id=[])
+    with torch.inference_mode():  # (a reference computed afresh is an inference tensor, which autograd refuses)
+        logits = llama_tiny(reference).logits[0, 3:-1]
     expected = torch.log_softmax(logits.float(), dim=-1)
 
     async def unread() -> list:
