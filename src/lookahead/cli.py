@@ -907,16 +907,13 @@ def serve_command(
     import uvicorn
 
     from .models import DEFAULT_MODEL_NAME
-    from .serve import create_app, hosts_to_allow
+    from .serve import check_corpus_megabytes, create_app, hosts_to_allow
 
     _check_address(host, port)  # before the model loads (minutes with --compile)
-    if corpus_mb:  # (typer's min=0 refuses below 0) a cap no corpus can take, before the model loads
-        from .core.suffix import Corpus
-
-        try:
-            Corpus(max_megabytes=corpus_mb)
-        except ValueError as error:
-            raise typer.BadParameter(f"must be 0 (no corpus) or a corpus's cap: {error}", param_hint="--corpus-mb")
+    try:  # before the model loads (typer's min=0 refuses below 0)
+        check_corpus_megabytes(corpus_mb, "--corpus-mb")
+    except ValueError as error:
+        _fail(str(error))
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads)
     name = model or DEFAULT_MODEL_NAME
     try:

@@ -112,7 +112,7 @@ def generate(
     eos_token_id = stop_token_list(eos_token_id)  # a generator of them read once, here
     _check_streamer(streamer)
     prompts, layout = _prompts(input_ids, attention_mask, inferred_padding(model, settings, eos_token_id,
-                                                                            pad_token_id))
+                                                                           pad_token_id))
     width = layout.shape[1] if layout is not None else max(len(prompt) for prompt in prompts)
     max_new_tokens = new_token_count(settings, max_new_tokens, width)
     if do_sample is None:
@@ -334,7 +334,7 @@ def _check_streamer(streamer) -> None:
 
 
 def inferred_padding(model: PreTrainedModel, settings: GenerationConfig, eos_token_id, pad_token_id: int | None
-                      ) -> int | None:
+                     ) -> int | None:
     """The token `generate` reads as padding when it gets no attention mask: the pad token given, else the
     generation config's, unless it is a stop token too."""
     pad = getattr(settings, "pad_token_id", None) if pad_token_id is None else pad_token_id

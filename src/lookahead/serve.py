@@ -101,6 +101,15 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+def check_corpus_megabytes(megabytes: float, name: str) -> None:
+    """Raise ValueError, naming the option `name`, for a cap of each key's corpus that no corpus can take (0: none)."""
+    if megabytes != 0:
+        try:
+            Corpus(max_megabytes=megabytes)
+        except ValueError as error:
+            raise ValueError(f"{name} must be 0 (no corpus) or a corpus's cap: {error}") from None
+
+
 def _server_full(max_batch: int, max_queue: int) -> APIError:
     return APIError(429, f"the server is full ({max_batch} requests decode, {max_queue} may wait); retry later",
                     kind="rate_limit_error", code="rate_limit_exceeded")
@@ -676,11 +685,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model
                                   and not (parts.path or parts.query or parts.fragment)):
             raise ValueError(f"an allowed origin must be * or scheme://host[:port], as a browser sends it (no path, "
                              f"no trailing slash), got {origin!r}")
-    if corpus_megabytes != 0:  # a cap that no corpus could take fails here, not at a request
-        try:
-            Corpus(max_megabytes=corpus_megabytes)
-        except ValueError as error:
-            raise ValueError(f"corpus_megabytes must be 0 (no corpus) or a cap a corpus can take: {error}") from None
+    check_corpus_megabytes(corpus_megabytes, "corpus_megabytes")  # here, not at a request
     engine = Engine(model, max_batch=max_batch, max_length=max_length, compile=compile)
     engine.warm_up()  # compiled steps: their shapes compile now, not during the first requests
     engine_loop = EngineLoop(engine, max_queue)
