@@ -22,7 +22,9 @@ import argparse
 import inspect
 import json
 import math
+import os
 import platform
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -233,11 +235,16 @@ def main() -> None:
     print(json.dumps(report["environment"]), flush=True)
 
     def save() -> None:
-        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+        """Write what is measured so far, projections included, whole: a run cut off keeps a file that parses."""
+        if isinstance(report.get("cost_curves"), list):
+            report["projections"] = projections(report["cost_curves"], fit)
+        partial = args.out / "gpu_check.json.partial"
+        partial.write_text(json.dumps(report, indent=1))
+        os.replace(partial, args.out / "gpu_check.json")
 
-    save()  # the environment, whatever fails next (an import of ours on an older transformers, say)
     sweep = Path(__file__).resolve().parent.parent / "docs" / "bench" / "sweep" / "sweep.json"
     fit = json.loads(sweep.read_text())["fit"]
+    save()  # the environment, whatever fails next (an import of ours on an older transformers, say)
     exact_shapes = ["tiny"] if args.quick else ["tiny", "smollm2-135m", "llama-1b"]
     cost_shapes = [("tiny", torch.float32)] if args.quick else [
         ("smollm2-135m", torch.float32), ("llama-1b", torch.bfloat16), ("llama-7b", torch.bfloat16)]
@@ -251,13 +258,14 @@ def main() -> None:
             report[part] = run()
         except Exception:  # noqa: BLE001 - record it, go on with the next part
             report[part] = "failed: " + traceback.format_exc()[-2000:]
+            print(f"{part} {report[part]}", flush=True)
         save()
-    if isinstance(report.get("cost_curves"), list):
-        report["projections"] = projections(report["cost_curves"], fit)
-        for row in report["projections"]:
-            print(f"{row['shape']:>14} {row['mode']:>22}: T(1) {row['T1_ms']:.2f} ms, best k {row['best_k']}, "
-                  f"projected speedup {row['projected_speedup']:.2f}x", flush=True)
-    save()
+    for row in report.get("projections", []):
+        print(f"{row['shape']:>14} {row['mode']:>22}: T(1) {row['T1_ms']:.2f} ms, best k {row['best_k']}, "
+              f"projected speedup {row['projected_speedup']:.2f}x", flush=True)
+    failed = [part for part in ("exactness", "cost_curves") if str(report.get(part, "")).startswith("failed")]
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)} (see above and gpu_check.json)")
 
 
 if __name__ == "__main__":

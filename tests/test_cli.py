@@ -70,6 +70,19 @@ def _tiny_with(tiny_dir: str, tmp_path: Path, **settings) -> str:
     return str(folder)
 
 
+def test_generate_without_a_length_stops_where_the_models_context_ends(tiny_dir, tmp_path):
+    """The default of 128 new tokens had been refused after a prompt that leaves fewer: it takes what is left."""
+    import shutil
+
+    folder = shutil.copytree(tiny_dir, tmp_path / "short")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 80}))
+    result = run_cli("generate", "Write a long story.", "--model", str(folder), "--json", "--compare")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["identical"] is True and 0 < report["new_tokens"] <= 80 - 20  # the chat template's 20+ tokens
+
+
 def test_compare_says_whether_greedy_outputs_are_identical_and_that_samples_are_not_compared(tiny_dir):
     args = ["generate", "hi", "--model", tiny_dir, "--max-new-tokens", "4", "--compare"]
     greedy, sampled = run_cli(*args), run_cli(*args, "--temperature", "0.8", "--seed", "1")
@@ -179,6 +192,25 @@ def test_the_version_is_the_installed_distributions():
     declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
     assert result.returncode == 0 and result.stdout.strip() == f"lookahead {declared}"
     assert lookahead.__version__ == declared
+
+
+def test_the_package_imports_from_a_source_tree_with_no_distribution_installed(monkeypatch):
+    """scripts/gpu_check.sh runs the sources from src/ on a machine where nothing of ours is installed: the
+    version lookup had raised PackageNotFoundError there, failing every part of the check."""
+    import importlib
+    from importlib import metadata
+
+    import lookahead
+
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    try:
+        assert importlib.reload(lookahead).__version__ == "0+unknown"
+    finally:
+        monkeypatch.undo()
+        importlib.reload(lookahead)
 
 
 def test_help_and_refusals_answer_without_importing_torch():

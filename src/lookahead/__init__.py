@@ -12,7 +12,10 @@ if TYPE_CHECKING:
     from .hf import UnsupportedModelError
     from .models import ModelLoadError, load_model
 
-__version__ = _metadata.version("lookahead")  # the installed distribution's
+try:
+    __version__ = _metadata.version("lookahead")  # the installed distribution's
+except _metadata.PackageNotFoundError:  # run from a source tree (PYTHONPATH=src), as scripts/gpu_check.sh does
+    __version__ = "0+unknown"
 
 # Imported on first use (PEP 562): they pull in torch and transformers, which `lookahead --help` need not wait for.
 _LAZY = {
