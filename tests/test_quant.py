@@ -22,7 +22,7 @@ from lookahead.prompts import encode_prompt
 from lookahead.quant import GROUP_SIZE, Int4Linear, Int8Linear, quantise_weights, rounding_dtype, weights_of
 from lookahead.workloads import load_workload
 
-from conftest import _COMMON, make_tiny_model, reference_greedy, run_cli
+from conftest import _COMMON, make_tiny_model, peaked, reference_greedy, run_cli
 
 
 def _linear(weight: torch.Tensor, bias: bool = False) -> nn.Linear:
@@ -325,3 +325,24 @@ def test_a_model_none_of_whose_layers_the_kernels_take_is_refused_not_labelled()
     with pytest.raises(ValueError, match="none of Sequential's nn.Linear layers has a shape the kernels take"):
         quantise_weights(model, "int8")
     assert weights_of(model) is None
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_gpt2s_conv1d_layers_are_quantised_and_lookahead_follows_generate(kind):
+    """GPT-2's blocks are transformers' `Conv1D` (weights stored [in, out]), not `nn.Linear`: they had kept their
+    float weights while the model was labelled int4."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.pytorch_utils import Conv1D
+    torch.manual_seed(0)
+    plain = peaked(GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=256, n_embd=64, n_layer=2, n_head=4)), 0.15)
+    model = quantise_weights(copy.deepcopy(plain), kind)
+    assert not any(type(m) in (nn.Linear, Conv1D) for m in model.modules())
+    block = model.transformer.h[0]
+    assert isinstance(block.attn.c_attn, Int4Linear if kind == "int4" else Int8Linear)
+    x = torch.randn(3, 64)
+    for quantised, original in ((block.attn.c_attn, plain.transformer.h[0].attn.c_attn),
+                                (block.attn.c_proj, plain.transformer.h[0].attn.c_proj)):
+        error = (quantised(x) - original(x)).abs().max() / original(x).abs().max()
+        assert error < 0.25  # a quantisation error (int4: about 0.1 here), not a transposed product
+    prompts = [torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(seed)) for seed in range(4)]
+    assert _follows_generate_up_to_ties(model, prompts, 30) >= 2

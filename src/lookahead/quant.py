@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from . import kernels
 
@@ -133,11 +134,24 @@ def int8_fits(linear: nn.Linear) -> bool:
     return linear.in_features % KERNEL_ALIGNMENT == 0
 
 
+def _as_linear(module: nn.Module) -> nn.Linear | None:
+    """The `nn.Linear` a layer computes: itself, or for transformers' `Conv1D` (GPT-2's layers: y = x W + b, W
+    stored [in, out]) a linear layer over its transposed weight; None for any other module."""
+    if type(module) is nn.Linear:
+        return module
+    if type(module) is Conv1D:
+        linear = nn.Linear(module.nx, module.nf, bias=False, device="meta")
+        linear.weight = nn.Parameter(module.weight.detach().t().contiguous(), requires_grad=False)
+        linear.bias = module.bias
+        return linear
+    return None
+
+
 @torch.no_grad()
 def quantise_weights(model: nn.Module, kind: str) -> nn.Module:
-    """Replace every `nn.Linear` of a CPU model, in place, by its `kind` ("int8" or "int4") counterpart;
-    with int4, the output layer and any layer of a shape the int4 kernel does not take become int8; a layer
-    whose input size is not a multiple of 16 keeps its float weights. Returns the model."""
+    """Replace every `nn.Linear` (and transformers' `Conv1D`) of a CPU model, in place, by its `kind` ("int8" or
+    "int4") counterpart; with int4, the output layer and any layer of a shape the int4 kernel does not take become
+    int8; a layer whose input size is not a multiple of 16 keeps its float weights. Returns the model."""
     if kind not in QUANTISED_WEIGHTS:
         raise ValueError(f"quantised weights must be one of {QUANTISED_WEIGHTS}, got {kind!r}")
     if any(p.device.type != "cpu" for p in model.parameters()):
@@ -146,22 +160,22 @@ def quantise_weights(model: nn.Module, kind: str) -> nn.Module:
         raise ValueError(f"the model's weights are {weights_of(model)} already: quantise a float model, once")
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     # Every name of each layer: one shared by two modules is replaced under both, by one quantised layer.
-    targets = [(name, module) for name, module in model.named_modules(remove_duplicate=False)
-               if type(module) is nn.Linear]
+    targets = [(name, module, linear) for name, module in model.named_modules(remove_duplicate=False)
+               if (linear := _as_linear(module)) is not None]
     if not targets:
         raise ValueError(f"{type(model).__name__} has no nn.Linear layers to quantise")
     replacements: dict[int, nn.Module | None] = {}
-    for name, linear in targets:
-        if id(linear) not in replacements:
-            if kind == "int4" and linear is not output and int4_fits(linear):
-                replacements[id(linear)] = Int4Linear(linear)
+    for name, module, linear in targets:
+        if id(module) not in replacements:
+            if kind == "int4" and module is not output and int4_fits(linear):
+                replacements[id(module)] = Int4Linear(linear)
             elif int8_fits(linear):
-                replacements[id(linear)] = Int8Linear(linear)
+                replacements[id(module)] = Int8Linear(linear)
             else:
-                replacements[id(linear)] = None  # a shape neither kernel takes: the layer keeps its float weights
-        if replacements[id(linear)] is not None:
+                replacements[id(module)] = None  # a shape neither kernel takes: the layer keeps its float weights
+        if replacements[id(module)] is not None:
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, replacements[id(linear)])
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, replacements[id(module)])
     if not any(replacements.values()):  # nothing quantised: a model labelled int8 or int4 that is its float self
         raise ValueError(f"none of {type(model).__name__}'s nn.Linear layers has a shape the kernels take (input "
                          f"features a multiple of {KERNEL_ALIGNMENT}): it keeps its float weights")
