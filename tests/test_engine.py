@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import model_fingerprint, reference_greedy
+from conftest import model_fingerprint, peaked, reference_greedy
 from test_exact_tiny import ForwardRecorder, random_prompt
 from test_sampling import PROMPT, reference_samples, same_distribution_pvalue, small_vocab_model  # noqa: F401
 
@@ -688,12 +688,21 @@ def test_a_failed_generate_ends_its_stream(llama_tiny):
     assert text == " ".join(map(str, expected))  # the prompt and the 2 tokens before the failure, flushed
 
 
-def test_a_context_too_short_to_time_steps_in_is_refused_by_name():
+@pytest.mark.parametrize("config", [None, LookaheadConfig(5, 4, 5)], ids=["auto", "W5N4G5"])
+def test_a_model_of_a_short_context_decodes_up_to_its_end(config):
+    """A context of 64 positions had been refused outright: the cost curve timed steps of 64 tokens after a
+    cached prefix. It times the steps that fit (up to 32 rows here), and only a context that fits no two is refused."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from lookahead import UnsupportedModelError
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=1, n_head=2)).eval()
-    with pytest.raises(UnsupportedModelError, match="the model's context of 64 positions is too short"):
-        generate(model, [5, 6, 7], max_new_tokens=4)
+    model = peaked(GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=1, n_head=2)), 0.15)
+    for prompt in ([5, 6, 7], [5, 6, 7, 8] * 10):
+        prompt = torch.tensor([prompt])
+        expected = reference_greedy(model, prompt, 64 - prompt.shape[1], eos_token_id=[])
+        assert generate(model, prompt, max_new_tokens=64 - prompt.shape[1], config=config,
+                        eos_token_id=[]).sequences.tolist() == expected.tolist()
+    tiny = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=3, n_embd=32, n_layer=1, n_head=2)).eval()
+    with pytest.raises(UnsupportedModelError, match="the model's context of 3 positions is too short"):
+        generate(tiny, [5], max_new_tokens=2)
 
 
 def test_prompt_chunks_ride_in_the_forward_of_the_decoding_step(llama_tiny):

@@ -332,6 +332,17 @@ def _chosen_path(runner: HFModelRunner, measured: dict) -> list[float]:
     return seconds
 
 
+def _fitting_sizes(runner: HFModelRunner) -> list[int]:
+    """The CURVE_SIZES a model's context has room to time after a cached prefix at least as long: all of them but
+    on a context of under 128 positions, where the curve is linear beyond its last height."""
+    limit = context_length(runner.model)
+    sizes = [k for k in CURVE_SIZES if limit is None or 2 * k <= limit]
+    if len(sizes) < 2:
+        raise UnsupportedModelError(f"the model's context of {limit} positions is too short: lookahead sizes its "
+                                    "steps by timing steps of 1 and 2 tokens after a cached prefix")
+    return sizes
+
+
 def cost_curve(runner: HFModelRunner) -> CostCurve:
     """T(k) for k in CURVE_SIZES on the path the runner takes, measured once per model shape and machine
     setting, then read from disk (and measured again where a one-row step now runs much faster than it
@@ -341,17 +352,19 @@ def cost_curve(runner: HFModelRunner) -> CostCurve:
     the one whose resulting curve is lowest (geometric mean over the sizes) is set on the runner. The curve
     is then the path's that runs at each size."""
 
+    fitting = _fitting_sizes(runner)
+
     def measure() -> dict:
         paths = ([None] if runner.packing is not True else []) + list(runner.packers)  # () where packing is off
-        measured = _seconds(runner, paths)
-        return {"sizes": list(CURVE_SIZES), "plain": measured.pop(None, None), **measured}
+        measured = _seconds(runner, paths, fitting)
+        return {"sizes": fitting, "plain": measured.pop(None, None), **measured}
 
     def valid(measured: dict) -> bool:
         sizes = measured.get("sizes")
         paths = [measured.get(packer) for packer in runner.packers]
         if runner.packing is not True:
             paths.append(measured.get("plain"))
-        return _curve_sizes(sizes) and bool(paths) and all(_step_times(times, len(sizes)) for times in paths)
+        return sizes == fitting and bool(paths) and all(_step_times(times, len(sizes)) for times in paths)
 
     def stale(measured: dict) -> bool:
         seconds = _chosen_path(runner, measured)  # the path first: the probe times the path the runner takes
@@ -372,7 +385,7 @@ def batch_cost_curve(runner: HFModelRunner, batch: int) -> CostCurve:
     curve = cost_curve(runner)
     if batch == 1:
         return curve
-    sizes = [h for h in CURVE_SIZES if batch * h <= max(128, 2 * batch)]
+    sizes = [h for h in _fitting_sizes(runner) if batch * h <= max(128, 2 * batch)]
     return _path_curve(runner, sizes, batch)
 
 
