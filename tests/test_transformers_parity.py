@@ -200,6 +200,17 @@ def test_no_length_anywhere_takes_ours_and_a_max_length_the_input_fills_is_refus
         generate(model, PROMPT)
 
 
+def test_no_length_anywhere_takes_what_the_models_context_leaves_where_that_is_fewer():
+    """128 new tokens after a prompt that leaves fewer had been refused, a length nobody asked for."""
+    model = make_tiny_model("llama")
+    model.config.max_position_embeddings = 100
+    prompt = torch.randint(3, 128, (1, 90), generator=torch.Generator().manual_seed(0))
+    out = generate(model, prompt, eos_token_id=[])
+    assert out.sequences.tolist() == reference_greedy(model, prompt, 10, eos_token_id=[]).tolist()
+    with pytest.raises(ValueError, match="can be at most 10"):
+        generate(model, prompt, max_new_tokens=11)
+
+
 def test_a_generation_config_asking_for_sampling_samples():
     """`do_sample` unset: the generation config's, as `generate` reads it (many chat models ship do_sample=True)."""
     model = make_tiny_model("llama")

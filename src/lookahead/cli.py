@@ -117,7 +117,8 @@ def generate_command(
     model: ModelOption = None,
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens to generate.")] = 128,
+    max_new_tokens: Annotated[Optional[int], typer.Option(
+        min=1, help="Most tokens to generate [default: 128, or what the model's context leaves after the prompt]")] = None,
     window: Annotated[Optional[int], typer.Option(help="W: lookahead window columns (0: off).")] = None,
     ngram: Annotated[Optional[int], typer.Option(help="N: n-gram size (>= 2).")] = None,
     guesses: Annotated[Optional[int], typer.Option(help="G: n-grams verified per step (0: off).")] = None,
@@ -187,13 +188,16 @@ def generate_command(
 
     from .baseline import hf_generate
     from .engine import check_request
-    from .generation import generate
+    from .generation import default_new_tokens, generate
+    from .hf import context_length
     from .prompts import encode_prompt
 
     lm, tokenizer = _load_model(model, gguf_file, dtype, threads if workers == 1 else None, tensor_parallel)
     if tensor_parallel and dist.is_initialized():  # transformers made the group: ended before exit, where gloo's
         ctx.call_on_close(dist.destroy_process_group)  # threads left running had aborted a loaded process
     input_ids = encode_prompt(tokenizer, prompt, raw=raw)
+    if max_new_tokens is None:
+        max_new_tokens = default_new_tokens(context_length(lm), input_ids.shape[1])
     try:
         check_request(lm, input_ids, max_new_tokens)
     except ValueError as error:

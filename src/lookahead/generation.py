@@ -16,7 +16,7 @@ from .core.drafts import Proposer
 from .core.suffix import Corpus
 from .engine import (Engine, GenerateOutput, GenerationStats, RequestParams, as_token_tensor, check_padding,
                      check_params, check_request, eos_ids, StoppingCriterion, pad_id, stop_token_list)
-from .hf import check_model
+from .hf import check_model, context_length
 from .arguments import checked_int, checked_number, integer
 from .sampling import (check_generation_config, merged_by_type, unsupported_option, unsupported_search,
                        with_model_defaults)
@@ -55,8 +55,8 @@ def generate(
     sampling (`do_sample=True`) draws from the same distribution as `model.generate(do_sample=True)` with the
     same options (docs/sampling.md). Unset options come from the generation config, as in `generate`:
     do_sample (greedy where it sets none), the sampling options, and max_new_tokens (its max_new_tokens, else
-    its max_length less the input's length, else DEFAULT_NEW_TOKENS, 128; transformers' `generate` makes
-    20 there); `temperature=0` means greedy; `generator` seeds the sampling (one generator, drawn from by every
+    its max_length less the input's length, else DEFAULT_NEW_TOKENS, 128, or what the model's context leaves
+    after the input where that is fewer; transformers' `generate` makes 20 there); `temperature=0` means greedy; `generator` seeds the sampling (one generator, drawn from by every
     sequence of a batch in turn). The generation config is the model's, or as `generate` makes it:
     `generation_config` with its unset fields from the model's, and any other generation config field passed
     by name over it (`min_new_tokens=5`, `no_repeat_ngram_size=3`, `bad_words_ids=...`: the processors they ask
@@ -114,7 +114,7 @@ def generate(
     prompts, layout = _prompts(input_ids, attention_mask, inferred_padding(model, settings, eos_token_id,
                                                                            pad_token_id))
     width = layout.shape[1] if layout is not None else max(len(prompt) for prompt in prompts)
-    max_new_tokens = new_token_count(settings, max_new_tokens, width)
+    max_new_tokens = new_token_count(settings, max_new_tokens, width, context_length(model))
     if do_sample is None:
         do_sample = bool(getattr(settings, "do_sample", None))
     if output_scores is None:
@@ -309,17 +309,23 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None, padding: int | None
 DEFAULT_NEW_TOKENS = 128
 
 
-def new_token_count(config: GenerationConfig, max_new_tokens: int | None, width: int) -> int:
+def default_new_tokens(context: int | None, width: int) -> int:
+    """DEFAULT_NEW_TOKENS, or what the model's `context` leaves after an input of `width` positions where that
+    is fewer: a length nobody asked for is not refused (a prompt that fills the context still is)."""
+    return DEFAULT_NEW_TOKENS if context is None or context <= width else min(DEFAULT_NEW_TOKENS, context - width)
+
+
+def new_token_count(config: GenerationConfig, max_new_tokens: int | None, width: int, context: int | None) -> int:
     """max_new_tokens, or where it is None what `model.generate` takes from the generation config: its
     max_new_tokens, else its max_length less the input's `width` (positions, padding included); else
-    DEFAULT_NEW_TOKENS."""
+    `default_new_tokens`."""
     if max_new_tokens is not None:
         return checked_int("max_new_tokens", max_new_tokens, 1)
     if getattr(config, "max_new_tokens", None) is not None:
         return config.max_new_tokens
     length = getattr(config, "max_length", None)
     if length is None:
-        return DEFAULT_NEW_TOKENS
+        return default_new_tokens(context, width)
     positions = integer(length)
     if positions is None or positions <= width:
         raise ValueError(f"max_new_tokens is unset and the generation config sets max_length={length!r}, "

@@ -83,7 +83,8 @@ def parallel_generate(
                          "step follows one device's cost curve")
     seed = checked_int("seed", seed, -2**63, 2**64 - 1, allowed="an integer in [-2**63, 2**64)")
     given = as_token_tensor(input_ids)
-    max_new_tokens = new_token_count(model.generation_config, max_new_tokens, given.shape[-1] if given.dim() else 1)
+    max_new_tokens = new_token_count(model.generation_config, max_new_tokens, given.shape[-1] if given.dim() else 1,
+                                     context_length(model))
     prompt = check_request(model, input_ids, max_new_tokens)
     if given.dim() == 2:  # where generate, given no attention mask, reads the pad token as padding ([B, n] ids)
         _check_unpadded(model, prompt, eos_token_id)
