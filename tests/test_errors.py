@@ -169,6 +169,28 @@ def test_a_sliding_window_the_models_attention_ignores_is_refused_and_none_decod
         generate(Mine(LlamaConfig(**_COMMON, sliding_window=8)).eval(), prompt, max_new_tokens=2)
 
 
+def test_gpt_neos_local_layers_are_refused_unless_their_band_spans_the_context():
+    """GPT-Neo's local layers band keys by their index in the cache, whatever the mask and positions say: rows
+    ahead of the text saw other keys than generate's, and the output parted from it without a word. A band as
+    wide as the context bands nothing: that model decodes as generate."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+    from conftest import peaked
+
+    shape = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]],
+                 max_position_embeddings=128, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    banded = GPTNeoForCausalLM(GPTNeoConfig(**shape, window_size=12)).eval()
+    with pytest.raises(UnsupportedModelError, match="GPTNeoForCausalLM's local attention layers keep a band of "
+                                                    "window_size=12 keys counted by their place in the cache"):
+        generate(banded, [5, 6, 7], max_new_tokens=4)
+    wide = peaked(GPTNeoForCausalLM(GPTNeoConfig(**shape, window_size=128)), 0.15)
+    prompt = torch.tensor([[5, 6, 7, 8, 9] * 4])
+    expected = wide.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(wide, prompt, max_new_tokens=30, config=LookaheadConfig(5, 4, 5),
+                                eos_token_id=[]).sequences, expected)
+
+
 def test_not_a_model_is_refused():
     with pytest.raises(UnsupportedModelError, match="must be a transformers causal LM"):
         generate(torch.nn.Linear(2, 2), [1, 2, 3])

@@ -73,7 +73,7 @@ def _more_families():
     """Tiny models of architectures beyond FAMILIES, each with what sets it apart: partial rotary, learned
     positions, parallel attention, QK norms, scaled logits, hybrid sliding layers. (A tiny random Gemma 2 repeats
     one token whatever its prompt: no test of anything.)"""
-    from transformers import (Cohere2Config, Cohere2ForCausalLM, GPT2Config,
+    from transformers import (Cohere2Config, Cohere2ForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig, GPT2Config,
                               GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, GraniteConfig, GraniteForCausalLM,
                               Olmo2Config, Olmo2ForCausalLM, OPTConfig, OPTForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -91,6 +91,10 @@ def _more_families():
                                                 num_attention_heads=4, word_embed_proj_dim=64, pad_token_id=0)),
         "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=TINY_VOCAB, n_positions=512, n_embd=64, n_layer=2,
                                                    n_head=4, bos_token_id=1, eos_token_id=2)),
+        # a heterogeneous config: head_dim is read per layer (16 sliding, 32 full), not from the whole config
+        "gemma4": lambda: Gemma4ForCausalLM(Gemma4TextConfig(**_COMMON, **sliding, head_dim=16, global_head_dim=32,
+                                                             hidden_size_per_layer_input=16,
+                                                             vocab_size_per_layer_input=TINY_VOCAB)),
     }
 
 

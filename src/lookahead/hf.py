@@ -442,6 +442,14 @@ def check_model(model: PreTrainedModel) -> None:
                 "cache applies it to the steps of generate after the prompt (not to the prompt), a mix lookahead does "
                 "not reproduce; set model.config.sliding_window = None (full attention, the model as built: generate "
                 "then agrees)")
+    band = getattr(config, "window_size", None)
+    if "local" in (getattr(config, "attention_layers", None) or ()) and band:
+        context = context_length(model)
+        if context is None or band < context:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}'s local attention layers keep a band of window_size={band} keys counted by "
+                "their place in the cache, not by position: lookahead's rows ahead of the text (and a batch's shorter "
+                "sequences) would see other keys than generate's")
     parameters = inspect.signature(model.forward).parameters
     if _cache_argument(parameters) not in parameters or "position_ids" not in parameters:
         raise UnsupportedModelError(f"{type(model).__name__}.forward must accept attention_mask, position_ids and a cache")
@@ -741,11 +749,16 @@ class HFModelRunner:
         """Bytes the KV store holds per cached position of one sequence (keys and values, every layer), in this
         process: under tensor parallelism it holds its share of the key/value heads."""
         config = self.model.config.get_text_config(decoder=True)
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        if is_sharded(self.model):
-            heads //= torch.distributed.get_world_size()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return 2 * self.num_layers * heads * head_dim * torch.finfo(self.dtype).bits // 8
+        # A heterogeneous config (Gemma 4: a full-attention layer's head_dim is 512, a sliding one's 256) refuses
+        # to be read for a per-layer field as a whole: each layer's view then.
+        layers = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else [config] * self.num_layers
+        shards = torch.distributed.get_world_size() if is_sharded(self.model) else 1
+        values = 0
+        for layer in layers:
+            heads = (getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads) // shards
+            head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
+            values += 2 * heads * head_dim
+        return values * torch.finfo(self.dtype).bits // 8
 
     def new_store(self, slots: int, capacity: int) -> KVStore:
         return KVStore(self.num_layers, slots, capacity)
