@@ -425,8 +425,9 @@ def check_model(model: PreTrainedModel) -> None:
     unsupported = set(getattr(config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES
     if unsupported:
         raise UnsupportedModelError(
-            f"{type(model).__name__} has layers of type {sorted(unsupported)}; lookahead needs attention layers "
-            f"whose cache can be rolled back ({sorted(SUPPORTED_LAYER_TYPES)})"
+            f"{type(model).__name__} has layers of type {sorted(unsupported)}; lookahead drives attention layers of "
+            f"the types {sorted(SUPPORTED_LAYER_TYPES)} (linear-attention and state-space layers keep a state that "
+            "cannot be rolled back; chunked attention needs masks lookahead does not build)"
         )
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError("encoder-decoder models are not supported; use a decoder-only causal LM")
