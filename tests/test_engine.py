@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import Counter
 
 import pytest
 import torch
@@ -49,6 +50,12 @@ def test_every_sequence_of_a_batch_is_its_own_greedy_output(tiny_model, config):
     new_tokens = [s.new_tokens for s in out.stats.per_sequence]
     assert new_tokens[3] <= 12 and max(new_tokens) > new_tokens[3]  # one stopped mid-batch, others went on
     assert out.stats.new_tokens == sum(new_tokens)
+    # a step cut short by the stop token or the length counts the tokens kept, not those verified
+    assert [sum(s.accepted_per_step) for s in out.stats.per_sequence] == new_tokens
+    together = Counter()  # the batch's accepted guesses by source: every sequence's
+    for s in out.stats.per_sequence:
+        together.update(s.accepted_by_source)
+    assert {k: v for k, v in out.stats.accepted_by_source.items() if v} == {k: v for k, v in together.items() if v}
     # each row's forwards are those it was in (they had read 0.0): shared, so none above the call's
     forwards = [s.forward_seconds for s in out.stats.per_sequence]
     assert 0 < min(forwards) and max(forwards) <= out.stats.forward_seconds and forwards[3] < max(forwards)
