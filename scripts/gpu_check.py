@@ -242,9 +242,9 @@ def main() -> None:
         partial.write_text(json.dumps(report, indent=1))
         os.replace(partial, args.out / "gpu_check.json")
 
-    sweep = Path(__file__).resolve().parent.parent / "docs" / "bench" / "sweep" / "sweep.json"
-    fit = json.loads(sweep.read_text())["fit"]
     save()  # the environment, whatever fails next (an import of ours on an older transformers, say)
+    sweep = Path(__file__).resolve().parent.parent / "docs" / "bench" / "sweep" / "sweep.json"
+    fit = json.loads(sweep.read_text())["fit"]  # read by save() once there are cost curves
     exact_shapes = ["tiny"] if args.quick else ["tiny", "smollm2-135m", "llama-1b"]
     cost_shapes = [("tiny", torch.float32)] if args.quick else [
         ("smollm2-135m", torch.float32), ("llama-1b", torch.bfloat16), ("llama-7b", torch.bfloat16)]
@@ -263,9 +263,20 @@ def main() -> None:
     for row in report.get("projections", []):
         print(f"{row['shape']:>14} {row['mode']:>22}: T(1) {row['T1_ms']:.2f} ms, best k {row['best_k']}, "
               f"projected speedup {row['projected_speedup']:.2f}x", flush=True)
-    failed = [part for part in ("exactness", "cost_curves") if str(report.get(part, "")).startswith("failed")]
-    if failed:
-        sys.exit(f"failed: {', '.join(failed)} (see above and gpu_check.json)")
+    if problems(report):
+        sys.exit(f"failed: {'; '.join(problems(report))} (see above and gpu_check.json)")
+
+
+def problems(report: dict) -> list[str]:
+    """What went wrong: a part or a mode that failed, an output that parted from generate's."""
+    found = [part for part in ("exactness", "cost_curves") if str(report.get(part, "")).startswith("failed")]
+    for row in report.get("exactness") if isinstance(report.get("exactness"), list) else ():
+        if not row["identical"]:
+            found.append(f"exactness {row['shape']} prompt {row['prompt']} {row['config']} diverged")
+    for row in report.get("cost_curves") if isinstance(report.get("cost_curves"), list) else ():
+        found += [f"cost_curves {row['shape']} {mode}" for mode, value in row.items()
+                  if isinstance(value, str) and value.startswith("failed")]
+    return found
 
 
 if __name__ == "__main__":

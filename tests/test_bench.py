@@ -473,19 +473,22 @@ def test_the_gpu_check_runs_through_on_tiny_shapes(tmp_path):
     assert (tmp_path / "gpu_check.txt").stat().st_size > 0
 
 
+def _gpu_check_script():
+    """scripts/gpu_check.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).resolve().parent.parent / "scripts" /
+                                                  "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_gpu_check_starts_no_mode_without_the_time_it_needs():
     """A mode of the cost curves starts only with the time it may need left before the budget's end (a compile
     begun late was killed by the script's timeout, losing what came before); each measured mode is saved at once."""
-    import importlib.util
-    import time
-    from pathlib import Path
-
-    import torch
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = _gpu_check_script()
     saved: list[list[str]] = []
 
     def save(rows):
@@ -574,3 +577,18 @@ def test_the_bench_times_our_whole_call_as_it_times_transformers(monkeypatch):
     monkeypatch.setattr(lookahead.generation, "Engine", SlowToSetUp)
     seconds = run_method(make_tiny_model("llama"), Method("plain", "plain"), torch.tensor([[5, 6, 7, 8]]), 4)[2]
     assert seconds >= 3600.0
+
+
+def test_the_gpu_check_names_every_failure_it_records():
+    """A mode that failed inside the cost curves, or an output that parted from generate's, had left the check's
+    exit status 0: only a whole part that raised counted."""
+    gpu_check = _gpu_check_script()
+    clean = {"exactness": [{"shape": "tiny", "prompt": 0, "config": "auto", "identical": True}],
+             "cost_curves": [{"shape": "tiny", "dtype": "float32", "ours_eager": {"1": 0.1},
+                              "hf_static_cuda_graphs": "skipped: CUDA only"}]}
+    assert gpu_check.problems(clean) == []
+    broken = {"exactness": [{"shape": "tiny", "prompt": 2, "config": "W5N4G5", "identical": False}],
+              "cost_curves": [{"shape": "tiny", "dtype": "float32", "hf_static_eager": "failed: RuntimeError: x"}]}
+    assert gpu_check.problems(broken) == ["exactness tiny prompt 2 W5N4G5 diverged", "cost_curves tiny hf_static_eager"]
+    assert gpu_check.problems({"exactness": "failed: Traceback", "cost_curves": "skipped: time budget spent"}) == [
+        "exactness"]

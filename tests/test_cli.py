@@ -80,7 +80,19 @@ def test_generate_without_a_length_stops_where_the_models_context_ends(tiny_dir,
     result = run_cli("generate", "Write a long story.", "--model", str(folder), "--json", "--compare")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["identical"] is True and 0 < report["new_tokens"] <= 80 - 20  # the chat template's 20+ tokens
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = encode_prompt(AutoTokenizer.from_pretrained(folder), "Write a long story.")
+    expected = reference_greedy(AutoModelForCausalLM.from_pretrained(folder).eval(), prompt, 80 - prompt.shape[1])
+    assert report["identical"] is True and report["new_tokens"] == expected.shape[1] - prompt.shape[1]
+
+
+def test_generate_without_a_length_takes_the_generation_configs(tiny_dir, tmp_path):
+    result = run_cli("generate", "Write a long story.", "--model", _tiny_with(tiny_dir, tmp_path, max_new_tokens=5),
+                     "--json", "--compare")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["identical"] is True and 0 < report["new_tokens"] <= 5
 
 
 def test_compare_says_whether_greedy_outputs_are_identical_and_that_samples_are_not_compared(tiny_dir):

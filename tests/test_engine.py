@@ -851,6 +851,27 @@ def test_the_window_is_not_fed_on_a_requests_last_step(llama_tiny, config):
     assert out.sequences.tolist() == reference_greedy(llama_tiny, prompt, 1, eos_token_id=[]).tolist()
 
 
+def test_the_memory_check_counts_the_bytes_the_kv_store_holds(llama_tiny):
+    """The estimate the engine's memory check makes equals what the store allocates in its first forward: on
+    Gemma 4 too, whose head_dim differs by layer (it had crashed reading it from the whole config) and whose last
+    layers reuse earlier layers' keys and values (counted as their own, the estimate had been twice the store)."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+    from conftest import _COMMON
+    import lookahead.hf as hf
+    from lookahead.runtime.batch import causal_step, pack_steps
+
+    gemma4 = Gemma4ForCausalLM(Gemma4TextConfig(
+        **{**_COMMON, "num_hidden_layers": 4}, layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=12, head_dim=16, global_head_dim=32, num_kv_shared_layers=2, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=128)).eval()
+    for model in (llama_tiny, gemma4):
+        runner = hf.HFModelRunner(model)
+        store = runner.new_store(2, 16)
+        runner.forward(store, pack_steps([0], [0], [causal_step(torch.tensor([5, 6, 7]))]))
+        held = sum(b.numel() * b.element_size() for b in store.key_buffers + store.value_buffers if b is not None)
+        assert runner.kv_bytes_per_position() * 2 * 16 == held, type(model).__name__
+
+
 def test_the_kv_store_is_sized_by_this_processs_share_of_the_heads_under_tensor_parallelism(llama_tiny, monkeypatch):
     """Under tensor parallelism each process caches its share of the key/value heads: the memory check counts
     that share, not every head (which refused batches that fit)."""

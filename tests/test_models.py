@@ -470,3 +470,18 @@ def test_tensor_parallelism_over_heads_that_do_not_divide_is_refused_before_load
     monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(ModelLoadError, match=r"2 query heads and 1 key/value heads do not divide by 2 \(launch"):
         load_model(tiny_dir, tp_plan="auto")
+
+
+def test_tensor_parallelism_checks_a_heterogeneous_configs_heads_layer_by_layer(tmp_path, monkeypatch):
+    """Gemma 4 with shared keys and values: its full layers have 1 key/value head, its sliding ones 2. Read from
+    the whole config, num_key_value_heads had raised transformers' per-layer attribute error, reported as a
+    failed load."""
+    from transformers import Gemma4TextConfig
+
+    Gemma4TextConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     layer_types=["sliding_attention", "full_attention"], attention_k_eq_v=True,
+                     num_global_key_value_heads=1, head_dim=16, global_head_dim=32).save_pretrained(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(ModelLoadError, match=r"4 query heads and 1 key/value heads do not divide by 2 \(launch"):
+        load_model(str(tmp_path), tp_plan="auto")

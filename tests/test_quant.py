@@ -157,7 +157,7 @@ def test_quantise_weights_swaps_every_linear(llama_tiny):
 def test_quantise_weights_rejects_what_it_cannot_do(llama_tiny):
     with pytest.raises(ValueError, match=r"must be one of \('int8', 'int4'\), got 'int2'"):
         quantise_weights(copy.deepcopy(llama_tiny), "int2")
-    with pytest.raises(ValueError, match="no nn.Linear layers"):
+    with pytest.raises(ValueError, match="no nn.Linear or Conv1D layers"):
         quantise_weights(nn.Sequential(nn.ReLU()), "int8")
     with pytest.raises(ValueError, match="in_features divisible by 32"):
         Int4Linear(nn.Linear(40, 8))
@@ -322,7 +322,7 @@ def test_an_int4_layer_refuses_our_kernel_where_it_does_not_run(monkeypatch):
 def test_a_model_none_of_whose_layers_the_kernels_take_is_refused_not_labelled():
     """Its only linear layer (40 inputs) kept its float weights, and the model had been labelled int8 all the same."""
     model = nn.Sequential(nn.Linear(40, 8))
-    with pytest.raises(ValueError, match="none of Sequential's nn.Linear layers has a shape the kernels take"):
+    with pytest.raises(ValueError, match="none of Sequential's nn.Linear or Conv1D layers has a shape the kernels take"):
         quantise_weights(model, "int8")
     assert weights_of(model) is None
 

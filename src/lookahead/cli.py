@@ -118,7 +118,8 @@ def generate_command(
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
     max_new_tokens: Annotated[Optional[int], typer.Option(
-        min=1, help="Most tokens to generate [default: 128, or what the model's context leaves after the prompt]")] = None,
+        min=1, help="Most tokens to generate [default: the generation config's, else 128 or what the model's context "
+                    "leaves after the prompt]")] = None,
     window: Annotated[Optional[int], typer.Option(help="W: lookahead window columns (0: off).")] = None,
     ngram: Annotated[Optional[int], typer.Option(help="N: n-gram size (>= 2).")] = None,
     guesses: Annotated[Optional[int], typer.Option(help="G: n-grams verified per step (0: off).")] = None,
@@ -188,7 +189,7 @@ def generate_command(
 
     from .baseline import hf_generate
     from .engine import check_request
-    from .generation import default_new_tokens, generate
+    from .generation import generate, new_token_count
     from .hf import context_length
     from .prompts import encode_prompt
 
@@ -196,9 +197,9 @@ def generate_command(
     if tensor_parallel and dist.is_initialized():  # transformers made the group: ended before exit, where gloo's
         ctx.call_on_close(dist.destroy_process_group)  # threads left running had aborted a loaded process
     input_ids = encode_prompt(tokenizer, prompt, raw=raw)
-    if max_new_tokens is None:
-        max_new_tokens = default_new_tokens(context_length(lm), input_ids.shape[1])
     try:
+        if max_new_tokens is None:  # as generate takes it: the generation config's, else what the context leaves
+            max_new_tokens = new_token_count(lm.generation_config, None, input_ids.shape[1], context_length(lm))
         check_request(lm, input_ids, max_new_tokens)
     except ValueError as error:
         _fail(str(error))

@@ -280,12 +280,6 @@ def _step_times(values: object, count: int) -> bool:
             and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in values))
 
 
-def _curve_sizes(sizes: object) -> bool:
-    """Whether `sizes` is a list of step heights a cost curve takes: increasing integers from 1."""
-    return (isinstance(sizes, list) and len(sizes) >= 2 and sizes[0] == 1
-            and all(isinstance(k, int) and not isinstance(k, bool) for k in sizes) and sizes == sorted(set(sizes)))
-
-
 _MEASURED: dict[str, dict] = {}  # file stem -> measured seconds, read from disk once per process
 
 # A stored curve is measured again where a one-row step now takes under this share of its stored time: it
@@ -339,7 +333,8 @@ def _fitting_sizes(runner: HFModelRunner) -> list[int]:
     sizes = [k for k in CURVE_SIZES if limit is None or 2 * k <= limit]
     if len(sizes) < 2:
         raise UnsupportedModelError(f"the model's context of {limit} positions is too short: lookahead sizes its "
-                                    "steps by timing steps of 1 and 2 tokens after a cached prefix")
+                                    "steps by timing steps of 1 and 2 tokens, each after a cached prefix as long (4 "
+                                    "positions)")
     return sizes
 
 
@@ -402,7 +397,7 @@ def _path_curve(runner: HFModelRunner, sizes: Sequence[int], batch: int) -> Cost
         "-kernels" if runner.compiled_kernel else "")
     measured = _stored(cache_root() / "costs" / f"{_path_key(runner)}-b{batch}{compiled}.json",
                        lambda: _step_seconds(runner, sizes, batch), runner,
-                       lambda measured: (_curve_sizes(measured.get("sizes"))
+                       lambda measured: (measured.get("sizes") == list(sizes)
                                          and _step_times(measured.get("seconds"), len(measured["sizes"]))
                                          and _step_times([measured.get("one_row")], 1)),
                        lambda measured: _one_row_now(runner) < REMEASURE_BELOW * measured["one_row"],

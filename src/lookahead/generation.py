@@ -309,23 +309,18 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None, padding: int | None
 DEFAULT_NEW_TOKENS = 128
 
 
-def default_new_tokens(context: int | None, width: int) -> int:
-    """DEFAULT_NEW_TOKENS, or what the model's `context` leaves after an input of `width` positions where that
-    is fewer: a length nobody asked for is not refused (a prompt that fills the context still is)."""
-    return DEFAULT_NEW_TOKENS if context is None or context <= width else min(DEFAULT_NEW_TOKENS, context - width)
-
-
 def new_token_count(config: GenerationConfig, max_new_tokens: int | None, width: int, context: int | None) -> int:
     """max_new_tokens, or where it is None what `model.generate` takes from the generation config: its
     max_new_tokens, else its max_length less the input's `width` (positions, padding included); else
-    `default_new_tokens`."""
+    DEFAULT_NEW_TOKENS, or what the model's `context` leaves after the input where that is fewer: a length nobody
+    asked for is not refused (a prompt that fills the context still is)."""
     if max_new_tokens is not None:
         return checked_int("max_new_tokens", max_new_tokens, 1)
     if getattr(config, "max_new_tokens", None) is not None:
         return config.max_new_tokens
     length = getattr(config, "max_length", None)
     if length is None:
-        return default_new_tokens(context, width)
+        return DEFAULT_NEW_TOKENS if context is None or context <= width else min(DEFAULT_NEW_TOKENS, context - width)
     positions = integer(length)
     if positions is None or positions <= width:
         raise ValueError(f"max_new_tokens is unset and the generation config sets max_length={length!r}, "

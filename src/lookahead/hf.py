@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch.distributed.tensor import DTensor
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from . import kernels
 from .attention import RaggedLayout, loaded_attention, ragged_rows, routes, stacked_heads
@@ -411,6 +411,14 @@ def _cache_argument(parameters: Mapping[str, inspect.Parameter]) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
+def layer_configs(config: PretrainedConfig) -> list[PretrainedConfig]:
+    """Each decoder layer's config: a heterogeneous config's per-layer views (Gemma 4: a full-attention layer's
+    head_dim is 512, a sliding one's 256; the whole config refuses to be read for such a field), else the one."""
+    if getattr(config, "is_heterogeneous", False):
+        return list(config.per_layer_config)
+    return [config] * getattr(config, "num_hidden_layers", 1)
+
+
 def check_model(model: PreTrainedModel) -> None:
     """Raise UnsupportedModelError, saying why, for a model lookahead cannot drive."""
     if not isinstance(model, PreTrainedModel) or not hasattr(model, "get_output_embeddings"):
@@ -750,15 +758,15 @@ class HFModelRunner:
         """Bytes the KV store holds per cached position of one sequence (keys and values, every layer), in this
         process: under tensor parallelism it holds its share of the key/value heads."""
         config = self.model.config.get_text_config(decoder=True)
-        # A heterogeneous config (Gemma 4: a full-attention layer's head_dim is 512, a sliding one's 256) refuses
-        # to be read for a per-layer field as a whole: each layer's view then.
-        layers = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else [config] * self.num_layers
+        # Layers that reuse an earlier layer's keys and values (Gemma 3n, Gemma 4) keep none of their own.
+        sharing = getattr(config, "kv_sharing_modes", None) or [None] * self.num_layers
         shards = torch.distributed.get_world_size() if is_sharded(self.model) else 1
         values = 0
-        for layer in layers:
-            heads = (getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads) // shards
-            head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
-            values += 2 * heads * head_dim
+        for layer, mode in zip(layer_configs(config), sharing):
+            if mode != "reuse":
+                heads = (getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads) // shards
+                head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
+                values += 2 * heads * head_dim
         return values * torch.finfo(self.dtype).bits // 8
 
     def new_store(self, slots: int, capacity: int) -> KVStore:

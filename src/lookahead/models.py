@@ -28,6 +28,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .hf import layer_configs
 from .machine import cache_root
 from .quant import QUANTISED_WEIGHTS, quantise_weights
 
@@ -195,13 +196,13 @@ def _check_heads_split(config: PretrainedConfig) -> None:
     forward with a shape error)."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     processes = torch.distributed.get_world_size() if distributed else int(os.environ.get("WORLD_SIZE", "1"))
-    text = config.get_text_config()
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if heads is not None and (heads % processes or kv_heads % processes):
-        raise ModelLoadError(f"tensor parallelism splits the attention heads across the {processes} processes of the "
-                             f"launch: this model's {heads} query heads and {kv_heads} key/value heads do not divide "
-                             f"by {processes} (launch a number of processes that divides both)")
+    for layer in layer_configs(config.get_text_config(decoder=True)):  # a heterogeneous config's per layer
+        heads = getattr(layer, "num_attention_heads", None)
+        kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+        if heads is not None and (heads % processes or kv_heads % processes):
+            raise ModelLoadError(f"tensor parallelism splits the attention heads across the {processes} processes of "
+                                 f"the launch: this model's {heads} query heads and {kv_heads} key/value heads do not "
+                                 f"divide by {processes} (launch a number of processes that divides both)")
 
 
 def _from_pretrained(source: str | Path, torch_dtype: torch.dtype, where: str, tp_plan: str | None = None):

@@ -134,17 +134,15 @@ def int8_fits(linear: nn.Linear) -> bool:
     return linear.in_features % KERNEL_ALIGNMENT == 0
 
 
-def _as_linear(module: nn.Module) -> nn.Linear | None:
+def _as_linear(module: nn.Linear | Conv1D) -> nn.Linear:
     """The `nn.Linear` a layer computes: itself, or for transformers' `Conv1D` (GPT-2's layers: y = x W + b, W
-    stored [in, out]) a linear layer over its transposed weight; None for any other module."""
+    stored [in, out]) a linear layer over a transposed copy of its weight."""
     if type(module) is nn.Linear:
         return module
-    if type(module) is Conv1D:
-        linear = nn.Linear(module.nx, module.nf, bias=False, device="meta")
-        linear.weight = nn.Parameter(module.weight.detach().t().contiguous(), requires_grad=False)
-        linear.bias = module.bias
-        return linear
-    return None
+    linear = nn.Linear(module.nx, module.nf, bias=False, device="meta")
+    linear.weight = nn.Parameter(module.weight.detach().t().contiguous(), requires_grad=False)
+    linear.bias = module.bias
+    return linear
 
 
 @torch.no_grad()
@@ -160,13 +158,14 @@ def quantise_weights(model: nn.Module, kind: str) -> nn.Module:
         raise ValueError(f"the model's weights are {weights_of(model)} already: quantise a float model, once")
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     # Every name of each layer: one shared by two modules is replaced under both, by one quantised layer.
-    targets = [(name, module, linear) for name, module in model.named_modules(remove_duplicate=False)
-               if (linear := _as_linear(module)) is not None]
+    targets = [(name, module) for name, module in model.named_modules(remove_duplicate=False)
+               if type(module) in (nn.Linear, Conv1D)]
     if not targets:
-        raise ValueError(f"{type(model).__name__} has no nn.Linear layers to quantise")
+        raise ValueError(f"{type(model).__name__} has no nn.Linear or Conv1D layers to quantise")
     replacements: dict[int, nn.Module | None] = {}
-    for name, module, linear in targets:
+    for name, module in targets:
         if id(module) not in replacements:
+            linear = _as_linear(module)  # one layer's transposed copy at a time, for a Conv1D
             if kind == "int4" and module is not output and int4_fits(linear):
                 replacements[id(module)] = Int4Linear(linear)
             elif int8_fits(linear):
@@ -177,8 +176,8 @@ def quantise_weights(model: nn.Module, kind: str) -> nn.Module:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, replacements[id(module)])
     if not any(replacements.values()):  # nothing quantised: a model labelled int8 or int4 that is its float self
-        raise ValueError(f"none of {type(model).__name__}'s nn.Linear layers has a shape the kernels take (input "
-                         f"features a multiple of {KERNEL_ALIGNMENT}): it keeps its float weights")
+        raise ValueError(f"none of {type(model).__name__}'s nn.Linear or Conv1D layers has a shape the kernels take "
+                         f"(input features a multiple of {KERNEL_ALIGNMENT}): it keeps its float weights")
     # On the model, not its config, which other models built from the same config object share.
     model.lookahead_weights = kind
     return model
