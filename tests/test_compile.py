@@ -396,12 +396,12 @@ def test_stored_batch_curves_are_checked_against_one_probe_per_process(llama_tin
     timed = []
     monkeypatch.setattr(costs, "timed_seconds", lambda run, device: timed.append(run) or 12.0)
     monkeypatch.setattr(costs, "_step_seconds", lambda runner, sizes, batch:
-                        {"sizes": [1, 2], "seconds": [20.0, 30.0], "one_row": 10.0})
+                        {"sizes": list(sizes), "seconds": [20.0, 30.0, 40.0, 50.0], "one_row": 10.0})
 
     def stored(batch: int, one_row: float) -> Path:
         path = tmp_path / "costs" / f"{costs._curve_key(runner)}-None-b{batch}.json"
         path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps({"sizes": [1, 2], "seconds": [40.0, 50.0], "one_row": one_row}))
+        path.write_text(json.dumps({"sizes": [1, 2, 4, 8], "seconds": [40.0, 50.0, 60.0, 70.0], "one_row": one_row}))
         return path
 
     def seconds(path: Path) -> list[float]:
@@ -409,8 +409,8 @@ def test_stored_batch_curves_are_checked_against_one_probe_per_process(llama_tin
 
     busy, quiet = stored(2, 15.0), stored(4, 11.0)
     costs.cost_curve(runner)  # measured here (10 ms a row): nothing to probe
-    assert costs.batch_cost_curve(runner, 2).relative == [1.0, 1.5] and seconds(busy) == [20.0, 30.0]
-    assert costs.batch_cost_curve(runner, 4).relative == [1.0, 1.25] and seconds(quiet) == [40.0, 50.0]
+    assert costs.batch_cost_curve(runner, 2).relative == [1.0, 1.5, 2.0, 2.5] and seconds(busy)[0] == 20.0
+    assert costs.batch_cost_curve(runner, 4).relative == [1.0, 1.25, 1.5, 1.75] and seconds(quiet)[0] == 40.0
     assert timed == []
 
     monkeypatch.setattr(costs, "_MEASURED", {})  # another process, which finds a row at 12 ms
@@ -418,8 +418,11 @@ def test_stored_batch_curves_are_checked_against_one_probe_per_process(llama_tin
     busy, quiet = stored(2, 15.0), stored(4, 14.0)
     for batch in (1, 2, 4):
         costs.batch_cost_curve(runner, batch)
-    assert seconds(busy) == [20.0, 30.0] and seconds(quiet) == [40.0, 50.0]
-    assert len(timed) == 1 + 3  # one probe: its warm-up and 3 rounds
+    assert seconds(busy)[0] == 20.0 and seconds(quiet)[0] == 40.0
+    assert len(timed) == 1 + 3
+    other = stored(8, 10.0)  # a curve of other heights (stored before a change of them): measured again
+    other.write_text(json.dumps({"sizes": [1, 2], "seconds": [40.0, 50.0], "one_row": 10.0}))
+    assert costs.batch_cost_curve(runner, 8).sizes == [1, 2, 4, 8] and seconds(other)[0] == 20.0  # one probe: its warm-up and 3 rounds
 
 
 def test_a_curve_is_measured_by_one_process_at_a_time(llama_tiny, costs, tmp_path):
