@@ -263,8 +263,9 @@ def main() -> None:
     for row in report.get("projections", []):
         print(f"{row['shape']:>14} {row['mode']:>22}: T(1) {row['T1_ms']:.2f} ms, best k {row['best_k']}, "
               f"projected speedup {row['projected_speedup']:.2f}x", flush=True)
-    if problems(report):
-        sys.exit(f"failed: {'; '.join(problems(report))} (see above and gpu_check.json)")
+    found = problems(report)
+    if found:
+        sys.exit(f"failed: {'; '.join(found)} (see above and gpu_check.json)")
 
 
 def problems(report: dict) -> list[str]:

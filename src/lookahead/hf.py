@@ -762,8 +762,8 @@ class HFModelRunner:
         sharing = getattr(config, "kv_sharing_modes", None) or [None] * self.num_layers
         shards = torch.distributed.get_world_size() if is_sharded(self.model) else 1
         values = 0
-        for layer, mode in zip(layer_configs(config), sharing):
-            if mode != "reuse":
+        for layer, mode in zip(layer_configs(config), sharing, strict=True):
+            if not str(mode).startswith("reuse"):  # "reuse" (and Mistral Large 4's "reuse_but_indexer")
                 heads = (getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads) // shards
                 head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
                 values += 2 * heads * head_dim
