@@ -88,6 +88,9 @@ def test_generate_without_a_length_stops_where_the_models_context_ends(tiny_dir,
 
 
 def test_generate_without_a_length_takes_the_generation_configs(tiny_dir, tmp_path):
+    # the help says so (square brackets in it had been read as markup, and the default dropped from it)
+    words = [word for word in run_cli("generate", "--help").stdout.split() if word != "│"]  # rich's box, where it wraps
+    assert "else 128 or what the model's context leaves after the prompt" in " ".join(words)
     result = run_cli("generate", "Write a long story.", "--model", _tiny_with(tiny_dir, tmp_path, max_new_tokens=5),
                      "--json", "--compare")
     assert result.returncode == 0, result.stderr

@@ -118,8 +118,8 @@ def generate_command(
     gguf_file: GgufOption = None,
     dtype: DtypeOption = "float32",
     max_new_tokens: Annotated[Optional[int], typer.Option(
-        min=1, help="Most tokens to generate [default: the generation config's, else 128 or what the model's context "
-                    "leaves after the prompt]")] = None,
+        min=1, help="Most tokens to generate (default: the generation config's, else 128 or what the model's context "
+                    "leaves after the prompt).")] = None,
     window: Annotated[Optional[int], typer.Option(help="W: lookahead window columns (0: off).")] = None,
     ngram: Annotated[Optional[int], typer.Option(help="N: n-gram size (>= 2).")] = None,
     guesses: Annotated[Optional[int], typer.Option(help="G: n-grams verified per step (0: off).")] = None,
