@@ -339,9 +339,9 @@ def _fitting_sizes(runner: HFModelRunner) -> list[int]:
 
 
 def cost_curve(runner: HFModelRunner) -> CostCurve:
-    """T(k) for k in CURVE_SIZES on the path the runner takes, measured once per model shape and machine
-    setting, then read from disk (and measured again where a one-row step now runs much faster than it
-    says: `REMEASURE_BELOW`). Where the runner may use prepacked linears (`packing` None), the plain path
+    """T(k) for k in CURVE_SIZES (those the model's context fits: `_fitting_sizes`) on the path the runner takes,
+    measured once per model shape and machine setting, then read from disk (and measured again where a one-row
+    step now runs much faster than it says: `REMEASURE_BELOW`). Where the runner may use prepacked linears (`packing` None), the plain path
     and each packer's are measured; a packer takes over from the step size on which it is faster than the
     plain path at every larger size (never, or always, where one path wins throughout), and of the packers
     the one whose resulting curve is lowest (geometric mean over the sizes) is set on the runner. The curve
