@@ -97,10 +97,12 @@ def exactness(device: str, shapes: list[str]) -> list[dict]:
     return rows
 
 
-def static_costs(model: LlamaForCausalLM, device: str, compiled: bool, repeats: int) -> dict[int, float]:
+def static_costs(model: LlamaForCausalLM, device: str, compiled: bool, repeats: int) -> dict[int | str, float]:
     """transformers' forward over a StaticCache holding CONTEXT tokens, k new tokens with a causal mask, the
     cache rewound after each run; compiled: torch.compile(mode="reduce-overhead"), which captures CUDA
-    graphs per shape."""
+    graphs per shape, and "cudagraph_skips": the graphs inductor ran without them (0: the mode is what it says)."""
+    from torch._dynamo.utils import counters
+
     from lookahead.costs import median_seconds
 
     cache = StaticCache(config=model.config, max_cache_len=CONTEXT + max(SIZES))
@@ -111,7 +113,8 @@ def static_costs(model: LlamaForCausalLM, device: str, compiled: bool, repeats: 
         model(torch.randint(vocab, (1, CONTEXT), device=device), use_cache=True, **{cache_argument: cache},
               **({"cache_position": torch.arange(CONTEXT, device=device)} if "cache_position" in parameters else {}))
     forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False) if compiled else model.forward
-    seconds = {}
+    skipped_before = counters["inductor"]["cudagraph_skips"]
+    seconds: dict[int | str, float] = {}
     for k in SIZES:
         ids = torch.randint(vocab, (1, k), device=device)
         position = torch.arange(CONTEXT, CONTEXT + k, device=device)
@@ -125,6 +128,8 @@ def static_costs(model: LlamaForCausalLM, device: str, compiled: bool, repeats: 
         for _ in range(2 if compiled else 0):  # compile and capture before timing
             run()
         seconds[k] = median_seconds(run, repeats, torch.device(device))
+    if compiled:
+        seconds["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skipped_before
     return seconds
 
 

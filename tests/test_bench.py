@@ -592,3 +592,29 @@ def test_the_gpu_check_names_every_failure_it_records():
     assert gpu_check.problems(broken) == ["exactness tiny prompt 2 W5N4G5 diverged", "cost_curves tiny hf_static_eager"]
     assert gpu_check.problems({"exactness": "failed: Traceback", "cost_curves": "skipped: time budget spent"}) == [
         "exactness"]
+
+
+def test_the_gpu_check_records_cuda_graphs_inductor_skipped(monkeypatch):
+    """The CUDA-graph mode's times are CUDA graphs' only where inductor captured them: it records the graphs it ran
+    without (torch's own count; a forward compiled here bumps it once, as a graph with a CPU node does)."""
+    from torch._dynamo.utils import counters
+
+    check = _gpu_check_script()
+    model = check.build("tiny", torch.float32, "cpu")
+
+    def compiled(forward, **options):
+        assert options["mode"] == "reduce-overhead"
+
+        def run(**inputs):
+            if not calls:
+                counters["inductor"]["cudagraph_skips"] += 1
+            calls.append(1)
+            return forward(**inputs)
+        return run
+
+    calls: list[int] = []
+    monkeypatch.setattr(check, "SIZES", (1, 2))
+    monkeypatch.setattr(check.torch, "compile", compiled)
+    seconds = check.static_costs(model, "cpu", True, 1)
+    assert seconds["cudagraph_skips"] == 1 and seconds[1] > 0 and seconds[2] > 0 and calls
+    assert "cudagraph_skips" not in check.static_costs(model, "cpu", False, 1)
