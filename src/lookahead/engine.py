@@ -724,6 +724,15 @@ def _signed(ids: torch.Tensor) -> torch.Tensor:
     return ids.to(torch.int64) if ids.dtype in (torch.uint16, torch.uint32, torch.uint64) else ids
 
 
+def _ids_or_none(value: object) -> torch.Tensor | None:
+    """`value` as a tensor (unsigned ids as int64: `_signed`), or None where torch cannot make one of it; the
+    caller checks what it holds."""
+    try:
+        return _signed(torch.as_tensor(value))
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
 def _prompt_tensor(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
     ids = as_token_tensor(input_ids)
     if ids.numel() == 0:
@@ -781,10 +790,7 @@ def _check_config_processors(model: PreTrainedModel, options: DecodingOptions, s
     vocabulary = vocabulary_size(model)
     forced = getattr(config, "forced_eos_token_id", None)
     if forced is not None:
-        try:
-            ids = _signed(torch.as_tensor(forced)).view(-1)
-        except (TypeError, ValueError, RuntimeError):
-            ids = None
+        ids = _ids_or_none(forced)
         if ids is None or ids.dtype not in TOKEN_DTYPES or bool(((ids < 0) | (ids >= vocabulary)).any()):
             raise ValueError(f"forced_eos_token_id (generation config) must be a token id in [0, {vocabulary}) or a "
                              f"list of them, got {forced!r}")
@@ -808,10 +814,7 @@ def eos_ids(model: PreTrainedModel, eos_token_id: int | Iterable[int] | None,
     eos_token_id = stop_token_list(eos_token_id)
     if eos_token_id is None:
         return []
-    try:
-        ids = _signed(torch.as_tensor(eos_token_id))
-    except (TypeError, ValueError, RuntimeError):
-        ids = None
+    ids = _ids_or_none(eos_token_id)
     if ids is not None and ids.dim() == 1 and ids.numel() == 0:  # no stop token (an empty list is float)
         return []
     if ids is None or ids.dtype not in TOKEN_DTYPES or ids.dim() > 1 or bool((ids < 0).any()):

@@ -57,10 +57,11 @@ def generate(
     do_sample (greedy where it sets none), the sampling options, and max_new_tokens (its max_new_tokens, else
     its max_length less the input's length, else DEFAULT_NEW_TOKENS, 128, or what the model's context leaves
     after the input where that is fewer; transformers' `generate` makes 20 there); `temperature=0` means greedy;
-    `generator` seeds the sampling (one generator, drawn from by every sequence of a batch in turn). The generation config is the model's, or as `generate` makes it:
-    `generation_config` with its unset fields from the model's, and any other generation config field passed
-    by name over it (`min_new_tokens=5`, `no_repeat_ngram_size=3`, `bad_words_ids=...`: the processors they ask
-    for apply as in `generate`; a name that is no field raises TypeError).
+    `generator` seeds the sampling (one generator, drawn from by every sequence of a batch in turn). The
+    generation config is the model's, or as `generate` makes it: `generation_config` with its unset fields from
+    the model's, and any other generation config field passed by name over it (`min_new_tokens=5`,
+    `no_repeat_ngram_size=3`, `bad_words_ids=...`: the processors they ask for apply as in `generate`; a name
+    that is no field raises TypeError).
 
     input_ids: one prompt ([n] or [1, n]); a batch [B, n], left-padded where `attention_mask` (transformers'
     convention, 1 for a token, 0 for padding) says so (without one, any B: where the model's pad token is,

@@ -85,7 +85,7 @@ def parallel_generate(
     given = as_token_tensor(input_ids)
     max_new_tokens = new_token_count(model.generation_config, max_new_tokens, given.shape[-1] if given.dim() else 1,
                                      context_length(model))
-    prompt = check_request(model, input_ids, max_new_tokens)
+    prompt = check_request(model, given, max_new_tokens)
     if given.dim() == 2:  # where generate, given no attention mask, reads the pad token as padding ([B, n] ids)
         _check_unpadded(model, prompt, eos_token_id)
     if do_sample is None:
