@@ -23,23 +23,24 @@ class _Heads(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch,rows,kv_heads,group", [(1, 1, 2, 2), (3, 1, 2, 3), (2, 4, 1, 4), (4, 3, 3, 3),
-                                                      (2, 5, 2, 1)])
-def test_stacked_heads_give_what_transformers_sdpa_gives(dtype, batch, rows, kv_heads, group, monkeypatch):
+# value_dim 8 < 16: values of a smaller head size than the queries', as in MLA models (DeepSeek-V2/V3)
+@pytest.mark.parametrize("batch,rows,kv_heads,group,value_dim", [(1, 1, 2, 2, 16), (3, 1, 2, 3, 16), (2, 4, 1, 4, 16),
+                                                                (4, 3, 3, 3, 16), (2, 5, 2, 1, 16), (2, 4, 1, 4, 8)])
+def test_stacked_heads_give_what_transformers_sdpa_gives(dtype, batch, rows, kv_heads, group, value_dim, monkeypatch):
     monkeypatch.setattr(attention._THREAD, "ours", True, raising=False)  # as inside one of our forwards
     generator = torch.Generator().manual_seed(batch * 100 + rows * 10 + group)
     length, dim = 37, 16
     query = torch.randn(batch, rows, kv_heads * group, dim, generator=generator).to(dtype).transpose(1, 2)
     # Keys and values as the KV store hands them over: the first `length` positions of longer buffers.
     key = torch.randn(batch, kv_heads, 64, dim, generator=generator).to(dtype)[:, :, :length]
-    value = torch.randn(batch, kv_heads, 64, dim, generator=generator).to(dtype)[:, :, :length]
+    value = torch.randn(batch, kv_heads, 64, value_dim, generator=generator).to(dtype)[:, :, :length]
     visible = torch.rand(batch, 1, rows, length, generator=generator) > 0.3
     visible[..., 0] = True
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
     module = _Heads(group)
     expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim**-0.5)
     out, weights = stacked_heads_attention(module, query, key, value, mask, scaling=dim**-0.5)
-    assert weights is None and out.shape == (batch, rows, kv_heads * group, dim)
+    assert weights is None and out.shape == (batch, rows, kv_heads * group, value_dim)
     tolerance = 1e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=0)
 

@@ -111,6 +111,37 @@ def test_more_families_decode_as_greedy_generate(family):
         assert out.sequences.tolist() == expected.tolist(), (family, config)
 
 
+def test_mla_values_of_another_head_size_batch_and_engine_as_greedy_generate():
+    """DeepSeek-V3's multi-head latent attention gives values a smaller head size than queries and keys (24 to
+    16 here, as 128 to 192 in its checkpoints): a batch of prompts of different lengths (the ragged path) and an
+    engine whose requests join at different steps both decode as transformers does, prompt by prompt."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from lookahead.engine import Engine, RequestParams
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(**{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=32,
+                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2)
+    model = peaked(DeepseekV3ForCausalLM(config), 0.15)
+    prompts = [random_prompt(n, seed) for seed, n in enumerate((7, 23, 15))]
+    expected = [reference_greedy(model, p, 30, eos_token_id=[])[0, p.shape[1]:].tolist() for p in prompts]
+    out = generate(model, [p[0] for p in prompts], max_new_tokens=30, config=LookaheadConfig(5, 4, 5),
+                   eos_token_id=[])
+    for row, prompt, tokens in zip(out.sequences, prompts, expected):  # rows right-padded to the longest
+        assert row[prompt.shape[1]:prompt.shape[1] + len(tokens)].tolist() == tokens
+    engine = Engine(model, max_batch=3, max_length=128)
+    outputs: dict[int, list[int]] = {}
+    ids = []
+    for prompt in prompts:  # one joins per step, beside those decoding
+        ids.append(engine.add_request(prompt[0], RequestParams(max_new_tokens=30, eos_token_id=[])))
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.tokens)
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.tokens)
+    assert [outputs[i] for i in ids] == expected
+
+
 def test_lookahead_accepts_guesses_on_some_family(drafts_always):
     """Exactness alone cannot tell a working guess path from one that never matches: make sure that,
     across families and prompts, verified guesses are accepted (more than one token per step)."""

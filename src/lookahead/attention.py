@@ -57,7 +57,8 @@ def _stacked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     stacked = query.reshape(batch, key.shape[1], -1, dim)  # row i * Q + q: head i of the group, row q
     out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=repeated_mask,
                                                            dropout_p=dropout, scale=scaling)
-    return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous()
+    # The output has the values' head size, which MLA models (DeepSeek-V2/V3) make smaller than the query's.
+    return out.view(batch, heads, rows, value.shape[-1]).transpose(1, 2).contiguous()
 
 
 @dataclass(frozen=True)
@@ -122,12 +123,12 @@ def _ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """Attention for a ragged forward: the query's rows [1, heads, N, D] are every sequence's rows one after
     another, the keys and values [B, kv heads, L, D] and the mask [B, 1, h, L] per sequence as in a padded
     step; each part of `layout` is laid out as a padded step and run through the usual path."""
-    heads, dim = query.shape[1], query.shape[3]
+    heads, dim, value_dim = query.shape[1], query.shape[3], value.shape[3]  # value_dim < dim in MLA models
     group = heads // key.shape[1]
     stacks = _stacks(group, attention_mask, kwargs)
     masks = _masks(attention_mask, group if stacks else 1, layout)
     flat = torch.cat([query[0].transpose(0, 1), query.new_zeros(1, heads, dim)])  # [N + 1, heads, D]
-    out = query.new_empty(layout.count, heads, dim)
+    out = query.new_empty(layout.count, heads, value_dim)
     for part, mask in zip(layout.parts, masks):
         sequences, keys = part.sequences, slice(0, part.keys)
         padded = flat[part.rows].transpose(1, 2)  # [n, heads, r, D]
@@ -137,7 +138,7 @@ def _ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         else:
             result, _ = sdpa_attention_forward(module, padded, key[sequences, :, keys], value[sequences, :, keys],
                                                mask, dropout=dropout, scaling=scaling, **kwargs)
-        result = result.reshape(-1, heads, dim)  # [n * r, heads, D]
+        result = result.reshape(-1, heads, value_dim)  # [n * r, heads, value D]
         if part.real is None:
             out[part.rows.view(-1)] = result
         else:

@@ -763,7 +763,11 @@ class HFModelRunner:
         shards = torch.distributed.get_world_size() if is_sharded(self.model) else 1
         values = 0
         for layer, mode in zip(layer_configs(config), sharing, strict=True):
-            if not str(mode).startswith("reuse"):  # "reuse" (and Mistral Large 4's "reuse_but_indexer")
+            if str(mode).startswith("reuse"):  # "reuse" (and Mistral Large 4's "reuse_but_indexer")
+                continue
+            if getattr(layer, "kv_lora_rank", None):  # multi-head latent attention (DeepSeek-V2/V3, MiniCPM3):
+                values += layer.kv_lora_rank + layer.qk_rope_head_dim  # one head of the latent and the rotary key
+            else:
                 heads = (getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads) // shards
                 head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
                 values += 2 * heads * head_dim
