@@ -219,6 +219,29 @@ def test_a_seeded_request_samples_the_same_whatever_else_is_in_the_batch(small_v
     assert run(RequestParams(**{**sampled.__dict__, "seed": 12}), [], 0) != alone  # the seed matters
 
 
+def test_every_bit_of_a_request_seed_counts_and_generate_takes_the_same_seed(small_vocab_model):
+    """torch's CPU generator keeps a seed's low 32 bits: seeded through it, requests whose seeds were 2**32 apart
+    sampled the same tokens. Each seed now samples its own; `generate(seed=...)` samples what the engine does,
+    and below 2**32 both sample what a generator so seeded does."""
+    def engine_tokens(seed: int) -> list[int]:
+        engine = Engine(small_vocab_model, max_batch=1, max_length=80)
+        engine.add_request(PROMPT[0], RequestParams(max_new_tokens=30, do_sample=True, seed=seed, eos_token_id=[]))
+        return [t for _ in iter(engine.has_unfinished, False) for o in engine.step() for t in o.tokens]
+
+    def generate_tokens(**seeding) -> list[int]:
+        out = generate(small_vocab_model, PROMPT, max_new_tokens=30, do_sample=True, eos_token_id=[], **seeding)
+        return out.sequences[0, PROMPT.shape[1]:].tolist()
+
+    seeds = [5, 5 + 2**32, 5 - 2**32, 5 + 2**63, -5]
+    samples = [engine_tokens(seed) for seed in seeds]
+    assert len({tuple(tokens) for tokens in samples}) == len(seeds)
+    assert [generate_tokens(seed=seed) for seed in seeds] == samples
+    assert generate_tokens(generator=torch.Generator().manual_seed(5)) == samples[0]
+    assert engine_tokens(2**64 - 5) == samples[-1]  # the same 64 bits as -5, as torch reads a negative seed
+    with pytest.raises(ValueError, match="seed seeds one prompt"):
+        generate(small_vocab_model, PROMPT.repeat(2, 1), max_new_tokens=3, do_sample=True, seed=5)
+
+
 def test_sampling_inside_a_batch_keeps_the_distribution(small_vocab_model):
     """The chi-square test of test_sampling, for requests decoded in batches with other prompts."""
     expected = reference_samples(small_vocab_model)

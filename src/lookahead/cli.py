@@ -232,8 +232,7 @@ def generate_command(
     stops = {"stop_strings": stop, "tokenizer": tokenizer}
 
     def ours(tokens: int, streamer=None):
-        generator = torch.Generator().manual_seed(seed)
-        return generate(lm, input_ids, max_new_tokens=tokens, config=config, streamer=streamer, generator=generator,
+        return generate(lm, input_ids, max_new_tokens=tokens, config=config, streamer=streamer, seed=seed,
                         compile=compile, **sampling, **stops)
 
     def theirs(tokens: int):

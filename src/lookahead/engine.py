@@ -32,7 +32,8 @@ from .costs import CostCurve, batch_cost_curve
 from .hf import HFModelRunner, available_memory, check_model, context_length, is_sharded, vocabulary_size
 from .arguments import checked_int
 from .runtime.batch import StepInput, causal_step, pack_steps
-from .sampling import DecodingOptions, check_decoding_options, decoding_rule, list_of, type_names, with_model_defaults
+from .sampling import (DecodingOptions, check_decoding_options, decoding_rule, list_of, noise_seed, type_names,
+                       with_model_defaults)
 
 # Rows a step may feed per sequence beyond its committed tokens: the store keeps this much room past
 # `max_length` so that every step, padding included, is written in place: the window's rows and as many drafts.
@@ -118,8 +119,9 @@ class GenerateOutput:
 class RequestParams:
     """How one request decodes. Sampling options as in `generate`: unset ones (`do_sample` too) come from the
     generation config (the request's, else the model's), so greedy unless one asks for sampling. seed: this
-    request's own sampling generator, so that its output does not depend on what else is in the batch (or pass
-    `generator`). config None: `AUTO_CONFIG`.
+    request's own sampling seed, so that its output does not depend on what else is in the batch (or pass
+    `generator`); in [0, 2**32), it samples what `generator=torch.Generator().manual_seed(seed)` does, and every
+    seed of [-2**63, 2**64) samples its own (`sampling.noise_seed`). config None: `AUTO_CONFIG`.
     corpus: text shared with other requests for the suffix and recycle sources; the request's prompt and
     output are added to it when it finishes. proposers: more draft sources, owned by this request.
     stopping_criteria: transformers `StoppingCriteria` (e.g. `StopStringCriteria`), each called as `generate`
@@ -154,10 +156,11 @@ class RequestParams:
     def __post_init__(self) -> None:  # a generator of stop tokens is read once, here, not at each use
         object.__setattr__(self, "eos_token_id", stop_token_list(self.eos_token_id))
 
-    def decoding(self, generator: torch.Generator | None) -> DecodingOptions:
-        """This request's decoding options, drawing from `generator`."""
+    def decoding(self) -> DecodingOptions:
+        """This request's decoding options."""
         return DecodingOptions(self.do_sample, self.temperature, self.top_k, self.top_p, self.repetition_penalty,
-                               self.logits_processor, generator, self.generation_config, self.prefix_allowed_tokens_fn)
+                               self.logits_processor, self.generator, self.generation_config,
+                               self.prefix_allowed_tokens_fn, None if self.seed is None else noise_seed(int(self.seed)))
 
 
 @dataclass(frozen=True)
@@ -261,12 +264,9 @@ class Engine:
             raise ValueError(
                 f"the prompt ({prompt.numel()} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                 f"engine's max_length of {self.max_length} positions")
-        generator = params.generator
-        if params.seed is not None:
-            generator = torch.Generator().manual_seed(int(params.seed))
         stops = eos_ids(self.model, params.eos_token_id, params.generation_config)
         padding = check_padding(self.model, padding)
-        rule = decoding_rule(self.model, params.decoding(generator), torch.cat([padding, prompt]),
+        rule = decoding_rule(self.model, params.decoding(), torch.cat([padding, prompt]),
                              params.max_new_tokens, stops, padding.numel())
         transform = rule.transform
         if transform is not None and padding.numel():
@@ -775,7 +775,7 @@ def check_params(model: PreTrainedModel, params: RequestParams) -> LookaheadConf
     for name in ("output_scores", "output_logits"):
         if not isinstance(getattr(params, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(params, name)!r}")
-    options = params.decoding(params.generator)
+    options = params.decoding()
     check_decoding_options(model, options)
     _check_config_processors(model, options, eos_ids(model, params.eos_token_id, params.generation_config))
     return config

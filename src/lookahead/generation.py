@@ -39,6 +39,7 @@ def generate(
     repetition_penalty: float | None = None,
     logits_processor: Sequence[LogitsProcessor] | None = None,
     generator: torch.Generator | None = None,
+    seed: int | None = None,
     corpus: Corpus | None = None,
     proposers: Sequence[Proposer] = (),
     pad_token_id: int | None = None,
@@ -57,7 +58,9 @@ def generate(
     do_sample (greedy where it sets none), the sampling options, and max_new_tokens (its max_new_tokens, else
     its max_length less the input's length, else DEFAULT_NEW_TOKENS, 128, or what the model's context leaves
     after the input where that is fewer; transformers' `generate` makes 20 there); `temperature=0` means greedy;
-    `generator` seeds the sampling (one generator, drawn from by every sequence of a batch in turn). The
+    `generator` seeds the sampling (one generator, drawn from by every sequence of a batch in turn), or `seed`, one
+    prompt's, any integer in [-2**63, 2**64) (as an engine request's: in [0, 2**32), what `generator=torch.Generator()
+    .manual_seed(seed)` draws; torch's generator keeps 32 bits of a seed, `seed` all 64). The
     generation config is the model's, or as `generate` makes it: `generation_config` with its unset fields from
     the model's, and any other generation config field passed by name over it (`min_new_tokens=5`,
     `no_repeat_ngram_size=3`, `bad_words_ids=...`: the processors they ask for apply as in `generate`; a name
@@ -123,7 +126,7 @@ def generate(
     if output_logits is None:
         output_logits = bool(getattr(settings, "output_logits", None))
     params = RequestParams(max_new_tokens, config, eos_token_id, do_sample, temperature, top_k, top_p,
-                           repetition_penalty, logits_processor, None, generator, corpus,
+                           repetition_penalty, logits_processor, seed, generator, corpus,
                            tuple(proposers) if isinstance(proposers, (list, tuple)) else proposers, criteria,
                            output_scores, output_logits, None if settings is model.generation_config else settings,
                            prefix_allowed_tokens_fn)
@@ -131,6 +134,8 @@ def generate(
     pad = pad_id(model, eos_token_id, settings) if pad_token_id is None else checked_int(
         "pad_token_id", pad_token_id, 0, allowed="a token id (an integer >= 0) or None")  # pad_id checks its own
     checked = [check_request(model, prompt, max_new_tokens) for prompt in prompts]
+    if len(checked) > 1 and seed is not None:
+        raise ValueError("seed seeds one prompt: pass one prompt, or a generator for the batch")
     if len(checked) > 1 and streamer is not None:
         raise ValueError("streamer takes one sequence: pass one prompt, or no streamer")
     if len(checked) > 1 and proposers:

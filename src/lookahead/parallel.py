@@ -43,7 +43,7 @@ from .generation import inferred_padding, new_token_count
 from .hf import HFModelRunner, context_length
 from .arguments import checked_int, checked_number
 from .runtime.batch import StepInput, after_tokens, causal_step, pack_steps
-from .sampling import DecodingOptions, decoding_rule
+from .sampling import DecodingOptions, decoding_rule, noise_seed
 
 PREFILL_CHUNK = 512
 DEFAULT_TIMEOUT = timedelta(seconds=60)
@@ -67,8 +67,8 @@ def parallel_generate(
     """Lookahead decoding of one prompt, its steps shared out among the processes of `group` (None: the
     default group). Call it on every rank with the same model, prompt and options; every rank returns the
     same output: greedy, token for token transformers' greedy `generate`; sampled (options as in
-    `generate`), token for token what `generate(..., generator=torch.Generator().manual_seed(seed))` draws
-    in one process. max_new_tokens and do_sample None: the model's generation config's, as in `generate`.
+    `generate`), token for token what `generate(..., seed=seed)` draws in one process (for seeds in [0, 2**32)
+    what `generator=torch.Generator().manual_seed(seed)` draws). max_new_tokens and do_sample None: the model's generation config's, as in `generate`.
 
     config: a fixed step (W, N, G); None means `LookaheadConfig()` (W5 N4 G5). A budgeted config is
     refused: its step sizes follow one device's measured cost curve, which the ranks need not share."""
@@ -98,8 +98,7 @@ def parallel_generate(
                      [do_sample, temperature, top_k, top_p, repetition_penalty, seed],
                      sorted(model.generation_config.to_dict().items()))  # its processors apply on each rank
     check_one_process_settings(model)
-    options = DecodingOptions(do_sample, temperature, top_k, top_p, repetition_penalty, None,
-                              torch.Generator().manual_seed(seed))
+    options = DecodingOptions(do_sample, temperature, top_k, top_p, repetition_penalty, noise_seed=noise_seed(seed))
     rule = decoding_rule(model, options, prompt, max_new_tokens, stops)
 
     start = time.perf_counter()

@@ -98,6 +98,7 @@ class DecodingOptions:
     generation_config: GenerationConfig | None = None  # None: the model's
     # transformers' (batch_id, input_ids) -> allowed next tokens; called with this sequence's ids, batch_id 0
     prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None
+    noise_seed: int | None = None  # the sequence's sampling noise (`noise_seed`); None: drawn from `generator`
 
     def config(self, model: PreTrainedModel) -> GenerationConfig:
         return model.generation_config if self.generation_config is None else self.generation_config
@@ -143,13 +144,28 @@ def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt: torc
         processors.append(LogitNormalization())
     choose = None
     if sampling:
-        # One draw from the generator (or torch's global one) seeds the sequence; every position then has
-        # its own noise, so the tokens drawn do not depend on the guesses, the batch or the step sizes.
-        seed = int(torch.randint(0, 2**62, (1,), generator=options.generator))
+        # One seed for the sequence, every position then its own noise: the tokens drawn do not depend on the
+        # guesses, the batch or the step sizes.
+        seed = _drawn_seed(options.generator) if options.noise_seed is None else options.noise_seed
 
         def choose(scores: torch.Tensor, candidates: list[tuple[int, int]], position: int):
             return sample_choice(scores, candidates, gumbel_noise(seed, position, scores.numel(), scores.device))
     return DecodingRule(choose, processors or None)
+
+
+def _drawn_seed(generator: torch.Generator | None) -> int:
+    """A sequence's noise seed drawn from `generator` (None: torch's global one)."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator))
+
+
+def noise_seed(seed: int) -> int:
+    """The noise seed of a sequence sampled with `seed` (an integer in [-2**63, 2**64)): for seeds in [0, 2**32),
+    the one `torch.Generator().manual_seed(seed)` gives it, so that a seeded request samples what `generate` does
+    with that generator; any other seed as its 64 bits, as torch's CPU generator does not take them (it keeps a
+    seed's low 32: seeds 2**32 apart sampled alike)."""
+    if 0 <= seed < 2**32:
+        return _drawn_seed(torch.Generator().manual_seed(seed))
+    return seed % 2**64
 
 
 def list_of(values: object, valid: Callable[[object], bool]) -> bool:
