@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 from conftest import peaked, reference_greedy
@@ -21,6 +20,7 @@ from transformers import (
 
 import lookahead.sampling
 from lookahead import LookaheadConfig, generate
+from lookahead.core import verify
 from lookahead.core.verify import _mix, gumbel_noise, sample_choice
 
 # The suffix and recycle sources: ragged trees.
@@ -57,17 +57,33 @@ def test_sample_choice_returns_the_node_of_an_accepted_candidate():
     assert sample_choice(scores, [(2, 8)], noise) == (1, None)
 
 
-def test_a_uniform_draw_of_exactly_zero_leaves_its_token_possible(llama_tiny):
-    """At (seed, position) below, the uniforms hold an exact 0 for token 55: its noise had been -inf. Forced there
-    (the last position, forced_eos_token_id=55), token 55 was the only one with a finite score, every sum was -inf,
-    and token 0, which generate gives probability 0, was drawn (a seed search of a review found such a case)."""
-    seed = int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(171708)))  # what generate draws
-    assert np.random.Generator(np.random.PCG64(_mix(seed, 11))).random(128, dtype=np.float32)[55] == 0.0
-    assert bool(gumbel_noise(seed, 11, 128).isfinite().all())
+def test_a_uniform_draw_of_exactly_zero_leaves_its_token_possible(llama_tiny, monkeypatch):
+    """An exact 0 among the uniforms (token 55's at every position here) had given that token the noise -inf. Forced
+    there (the last position, forced_eos_token_id=55), token 55 was the only one with a finite score, every sum was
+    -inf, and token 0, which generate gives probability 0, was drawn (float32 uniforms, a seed search of a review)."""
+    uniforms = verify._uniforms
+
+    def zero_at_55(key: int, size: int, device: torch.device) -> torch.Tensor:
+        drawn = uniforms(key, size, device)
+        drawn[55] = 0.0
+        return drawn
+
+    monkeypatch.setattr(verify, "_uniforms", zero_at_55)
+    assert bool(gumbel_noise(3, 11, 128).isfinite().all())
     out = generate(llama_tiny, [5, 6, 7, 8, 9, 5, 6, 7], max_new_tokens=4, do_sample=True, forced_eos_token_id=55,
-                   eos_token_id=[], generator=torch.Generator().manual_seed(171708),
-                   config=LookaheadConfig(window=3, ngram=3, guesses=3))
+                   eos_token_id=[], seed=171708, config=LookaheadConfig(window=3, ngram=3, guesses=3))
     assert out.sequences[0, -1].item() == 55
+
+
+def test_the_noise_reaches_the_far_tail():
+    """Uniforms on float32's 2**-24 grid capped the noise at 16.6: a token more than ~19 below the best score was never
+    drawn, and one 17 below at 0.45 of its probability (a review: 0 draws of 17 expected at -19.5, p=4e-8). float64
+    uniforms reach 36.7 (a token 40 below the best: probability 4e-18)."""
+    uniform = verify._uniforms(_mix(3, 11), 100_000, torch.device("cpu"))
+    assert uniform.dtype == torch.float64 and bool(((uniform * 2**24) % 1 != 0).any())  # finer than float32's grid
+    assert float(verify._gumbel(torch.tensor([1 - 2**-53], dtype=torch.float64))) > 36.7
+    noise = gumbel_noise(3, 11, 100_000)
+    assert noise.dtype == torch.float64 and torch.equal(noise, verify._gumbel(uniform))
 
 
 def test_the_noise_of_one_sequence_takes_its_whole_64_bit_key():

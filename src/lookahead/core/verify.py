@@ -104,18 +104,26 @@ def greedy_choice(scores: torch.Tensor, candidates: list[tuple[int, int]], posit
 
 
 def gumbel_noise(seed: int, position: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Standard Gumbel noise for one position of one sequence: a function of (seed, position) alone."""
-    key = _mix(seed, position)
-    if torch.device(device).type == "cpu":
+    """Standard Gumbel noise (float64) for one position of one sequence: a function of (seed, position) alone."""
+    return _gumbel(_uniforms(_mix(seed, position), size, torch.device(device)))
+
+
+def _uniforms(key: int, size: int, device: torch.device) -> torch.Tensor:
+    """`size` float64 uniforms in [0, 1) from a 64-bit key. float64: float32's 2**-24 grid capped the noise at 16.6,
+    so that a token more than ~19 below the best score was never drawn and one 17 below at 0.45 of its probability."""
+    if device.type == "cpu":
         # torch's CPU generator keeps a seed's low 32 bits only: two positions of one 32k-token sequence would share
         # their noise one time in ten (the birthday bound), correlating their tokens. PCG64 takes all 64 bits.
-        uniform = torch.from_numpy(np.random.Generator(np.random.PCG64(key)).random(size, dtype=np.float32))
-    else:  # CUDA's Philox generator takes all 64
-        uniform = torch.rand(size, generator=torch.Generator(device=device).manual_seed(key), device=device)
-    # An exact 0 is drawn once in 2**24: its noise, -inf, would rule out its token (the only one a processor left
-    # possible, say, leaving every score -inf and argmax token 0). The smallest normal float stands in for 0.
-    uniform.clamp_(min=torch.finfo(torch.float32).tiny)
-    return -torch.log(-torch.log(uniform))
+        return torch.from_numpy(np.random.Generator(np.random.PCG64(key)).random(size))
+    # CUDA's Philox generator takes all 64
+    return torch.rand(size, generator=torch.Generator(device=device).manual_seed(key), device=device,
+                      dtype=torch.float64)
+
+
+def _gumbel(uniform: torch.Tensor) -> torch.Tensor:
+    """-log(-log(u)), with an exact 0 (drawn once in 2**53) read as the smallest normal float64: its noise, -inf, would
+    rule out its token (the only one a processor left possible, say, leaving every score -inf and argmax token 0)."""
+    return -torch.log(-torch.log(uniform.clamp(min=torch.finfo(torch.float64).tiny)))
 
 
 def _mix(seed: int, position: int) -> int:
@@ -132,7 +140,7 @@ def sample_choice(scores: torch.Tensor, candidates: list[tuple[int, int]], noise
     distribution softmax(scores); a child is accepted when it holds that token. Accepting a fixed guess x
     this way has probability p(x), as speculative sampling's rule has, but the token drawn does not
     depend on the guesses, only on the noise (docs/sampling.md)."""
-    token = int((scores.float() + noise).argmax())
+    token = int((scores.double() + noise).argmax())
     if not math.isfinite(float(scores[token])):  # where transformers' multinomial fails ("inf, nan or element < 0")
         raise ValueError(f"sampling: the processed scores are not finite (the token drawn scores {float(scores[token])}):"
                          " a temperature this small overflows the logits, or the processors left no token possible")
