@@ -161,6 +161,8 @@ def test_installed_script_streams_the_text_and_says_its_speed_on_stderr():
         (["--max-new-tokens", "0"], "max-new-tokens"),
         (["--window", "50"], "window x (ngram - 1) must be below 128"),
         (["--temperature", "0.7", "--seed", str(2**64)], "--seed"),
+        (["--gguf-file", "nope.gguf"], "Invalid value for --gguf-file: names a file inside --model's folder: give "
+                                       "--model too"),
     ],
 )
 def test_bad_options_exit_with_a_clear_message(args, message):

@@ -403,6 +403,9 @@ def _load_model(model: str | None, gguf_file: str | None, dtype: str, threads: i
 
     if dtype not in WEIGHT_CHOICES:
         raise typer.BadParameter(f"must be one of {list(WEIGHT_CHOICES)}, got {dtype!r}", param_hint="--dtype")
+    if gguf_file is not None and model is None:  # load_model's message would name its own arguments
+        raise typer.BadParameter(f"names a file inside --model's folder: give --model too (or the .gguf file's path "
+                                 f"as --model, without --gguf-file), got {gguf_file!r} alone", param_hint="--gguf-file")
     if threads is not None:
         torch.set_num_threads(threads)
     hf_logging.disable_progress_bar()
