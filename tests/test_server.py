@@ -1075,6 +1075,25 @@ def test_a_vanishing_temperature_decodes_greedily(server, temperature):
     assert (tiny.text, tiny.finish_reason) == (greedy.text, greedy.finish_reason) and greedy.text.strip()
 
 
+def _tops_hold_the_chosen_token(logprobs, top: int) -> bool:
+    """A completion's top_logprobs: at each position the `top` likeliest tokens and the chosen one (OpenAI: "up to
+    logprobs+1 elements"), which had been left out (the first of an echoed prompt has none)."""
+    for token, chosen, scored in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        if scored is None:
+            if chosen is not None:
+                return False
+            continue
+        others = [value for name, value in scored.items() if name != token]
+        if scored.get(token) != chosen:
+            return False
+        if len(scored) == top + 1:  # the chosen token beside the likeliest ones: below them all
+            if others and chosen > min(others):
+                return False
+        elif len(scored) != top or top == 0:
+            return False
+    return True
+
+
 def test_completion_logprobs_in_the_legacy_format(server, default_model):
     url, _ = server
     _, tokenizer = default_model
@@ -1087,8 +1106,10 @@ def test_completion_logprobs_in_the_legacy_format(server, default_model):
     assert logprobs.token_logprobs == pytest.approx([row[t].item() for t, row in zip(tokens, expected)], abs=1e-3)
     assert all(len(top) == 2 and max(top.values()) == chosen
                for top, chosen in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    assert _tops_hold_the_chosen_token(logprobs, 2)
     bare = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0)
-    assert bare.choices[0].logprobs.top_logprobs is None
+    assert bare.choices[0].logprobs.top_logprobs == [{t: p} for t, p in zip(bare.choices[0].logprobs.tokens,
+                                                                            bare.choices[0].logprobs.token_logprobs)]
     assert bare.choices[0].logprobs.token_logprobs == pytest.approx(logprobs.token_logprobs, abs=1e-4)
     stop = "".join(logprobs.tokens[4:6])  # completed by the sixth token: the reply counts six, its text four
     cut = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
@@ -1192,7 +1213,8 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, default_mode
     logprobs = scored.choices[0].logprobs
     assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
     assert "".join(logprobs.tokens) == prompt and logprobs.token_logprobs[0] is None
-    assert logprobs.top_logprobs[0] is None and all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+    assert logprobs.top_logprobs[0] is None and _tops_hold_the_chosen_token(logprobs, 1)
+    assert any(len(top) == 2 for top in logprobs.top_logprobs[1:])  # a prompt token the model did not expect
     assert logprobs.token_logprobs[1:] == pytest.approx(
         expected[torch.arange(ids.shape[1] - 1), ids[0, 1:]].tolist(), abs=1e-4)
     assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(ids.shape[1])]
@@ -1395,7 +1417,7 @@ def test_logprobs_of_tokens_that_split_a_character(server, default_model):
     logprobs = reply.choices[0].logprobs
     assert reply.choices[0].text == prompt
     assert logprobs.tokens[2:5] == ["bytes: \\xf0\\x9f", "bytes:\\x8e", "bytes:\\x89"]
-    assert all(len(top) == 5 for top in logprobs.top_logprobs[1:])
+    assert _tops_hold_the_chosen_token(logprobs, 5)
     expected = [len(tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
     assert logprobs.text_offset == expected and expected[3] == expected[4] == expected[2] + 1
 

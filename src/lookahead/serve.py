@@ -1315,9 +1315,12 @@ class _Logprobs:
         if chat:
             return {"content": [{**self._token(t, p), "top_logprobs": [self._token(i, v) for i, v in top]}
                                 for (t, p), top in zip(chosen, likeliest)], "refusal": None}
-        return {"tokens": [self._token(t, p)["token"] for t, p in chosen], "token_logprobs": [p for _, p in chosen],
-                "top_logprobs": [None if top is None else {self._token(i, v)["token"]: v for i, v in top}
-                                 for top in likeliest] if self.top else None,
+        # A completion's top_logprobs hold the chosen token too, as OpenAI's and vLLM's (up to logprobs + 1 entries;
+        # the chosen one alone for logprobs 0); chat's top_logprobs do not.
+        names = [self._token(t, p)["token"] for t, p in chosen]
+        return {"tokens": names, "token_logprobs": [p for _, p in chosen],
+                "top_logprobs": [None if top is None else {**{self._token(i, v)["token"]: v for i, v in top}, name: p}
+                                 for name, (_, p), top in zip(names, chosen, likeliest)],
                 "text_offset": self.offsets[start:end]}
 
     def _token(self, token: int, logprob: float | None) -> dict:
