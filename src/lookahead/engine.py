@@ -120,8 +120,8 @@ class RequestParams:
     """How one request decodes. Sampling options as in `generate`: unset ones (`do_sample` too) come from the
     generation config (the request's, else the model's), so greedy unless one asks for sampling. seed: this
     request's own sampling seed, so that its output does not depend on what else is in the batch (or pass
-    `generator`); in [0, 2**32), it samples what `generator=torch.Generator().manual_seed(seed)` does, and every
-    seed of [-2**63, 2**64) samples its own (`sampling.noise_seed`). config None: `AUTO_CONFIG`.
+    `generator`); in [0, 2**32), it samples what `generator=torch.Generator().manual_seed(seed)` does, and a seed of
+    [-2**63, 2**64) outside that range is taken whole (`sampling.noise_seed`). config None: `AUTO_CONFIG`.
     corpus: text shared with other requests for the suffix and recycle sources; the request's prompt and
     output are added to it when it finishes. proposers: more draft sources, owned by this request.
     stopping_criteria: transformers `StoppingCriteria` (e.g. `StopStringCriteria`), each called as `generate`

@@ -162,7 +162,8 @@ def noise_seed(seed: int) -> int:
     """The noise seed of a sequence sampled with `seed` (an integer in [-2**63, 2**64)): for seeds in [0, 2**32),
     the one `torch.Generator().manual_seed(seed)` gives it, so that a seeded request samples what `generate` does
     with that generator; any other seed as its 64 bits, as torch's CPU generator does not take them (it keeps a
-    seed's low 32: seeds 2**32 apart sampled alike)."""
+    seed's low 32: seeds 2**32 apart sampled alike). Not one-to-one: the 2**32 large seeds that equal what a small
+    seed draws sample as that one does (a random large seed: one chance in 2**32)."""
     if 0 <= seed < 2**32:
         return _drawn_seed(torch.Generator().manual_seed(seed))
     return seed % 2**64
