@@ -32,8 +32,7 @@ from .costs import CostCurve, batch_cost_curve
 from .hf import HFModelRunner, available_memory, check_model, context_length, is_sharded, vocabulary_size
 from .arguments import checked_int
 from .runtime.batch import StepInput, causal_step, pack_steps
-from .sampling import (DecodingOptions, check_decoding_options, decoding_rule, list_of, noise_seed, type_names,
-                       with_model_defaults)
+from .sampling import DecodingOptions, check_decoding_options, decoding_rule, list_of, type_names, with_model_defaults
 
 # Rows a step may feed per sequence beyond its committed tokens: the store keeps this much room past
 # `max_length` so that every step, padding included, is written in place: the window's rows and as many drafts.
@@ -160,7 +159,7 @@ class RequestParams:
         """This request's decoding options."""
         return DecodingOptions(self.do_sample, self.temperature, self.top_k, self.top_p, self.repetition_penalty,
                                self.logits_processor, self.generator, self.generation_config,
-                               self.prefix_allowed_tokens_fn, None if self.seed is None else noise_seed(int(self.seed)))
+                               self.prefix_allowed_tokens_fn, self.seed)
 
 
 @dataclass(frozen=True)

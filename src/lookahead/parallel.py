@@ -43,7 +43,7 @@ from .generation import inferred_padding, new_token_count
 from .hf import HFModelRunner, context_length
 from .arguments import checked_int, checked_number
 from .runtime.batch import StepInput, after_tokens, causal_step, pack_steps
-from .sampling import DecodingOptions, decoding_rule, noise_seed
+from .sampling import DecodingOptions, decoding_rule
 
 PREFILL_CHUNK = 512
 DEFAULT_TIMEOUT = timedelta(seconds=60)
@@ -99,7 +99,7 @@ def parallel_generate(
                      [do_sample, temperature, top_k, top_p, repetition_penalty, seed],
                      sorted(model.generation_config.to_dict().items()))  # its processors apply on each rank
     check_one_process_settings(model)
-    options = DecodingOptions(do_sample, temperature, top_k, top_p, repetition_penalty, noise_seed=noise_seed(seed))
+    options = DecodingOptions(do_sample, temperature, top_k, top_p, repetition_penalty, seed=seed)
     rule = decoding_rule(model, options, prompt, max_new_tokens, stops)
 
     start = time.perf_counter()

@@ -98,7 +98,7 @@ class DecodingOptions:
     generation_config: GenerationConfig | None = None  # None: the model's
     # transformers' (batch_id, input_ids) -> allowed next tokens; called with this sequence's ids, batch_id 0
     prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None
-    noise_seed: int | None = None  # the sequence's sampling noise (`noise_seed`); None: drawn from `generator`
+    seed: int | None = None  # the sequence's own sampling seed (`noise_seed`); None: one drawn from `generator`
 
     def config(self, model: PreTrainedModel) -> GenerationConfig:
         return model.generation_config if self.generation_config is None else self.generation_config
@@ -146,7 +146,7 @@ def decoding_rule(model: PreTrainedModel, options: DecodingOptions, prompt: torc
     if sampling:
         # One seed for the sequence, every position then its own noise: the tokens drawn do not depend on the
         # guesses, the batch or the step sizes.
-        seed = _drawn_seed(options.generator) if options.noise_seed is None else options.noise_seed
+        seed = _drawn_seed(options.generator) if options.seed is None else noise_seed(int(options.seed))
 
         def choose(scores: torch.Tensor, candidates: list[tuple[int, int]], position: int):
             return sample_choice(scores, candidates, gumbel_noise(seed, position, scores.numel(), scores.device))
