@@ -81,6 +81,16 @@ def make_tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     return peaked(_tiny(family), 0.15)
 
 
+def make_mla_model() -> torch.nn.Module:
+    """A tiny random DeepSeek-V3 (multi-head latent attention): queries and keys of head size 24, values of 16 (192
+    and 128 in its checkpoints); its cache holds one head of the latent (32) and of the rotary key (8)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        **{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2)).eval()
+
+
 def peaked(model: torch.nn.Module, std: float) -> torch.nn.Module:
     """Re-draw the weight matrices with a larger spread, in eval mode."""
     with torch.no_grad():

@@ -879,8 +879,8 @@ def test_the_memory_check_counts_the_bytes_the_kv_store_holds(llama_tiny):
     Gemma 4 too, whose head_dim differs by layer (it had crashed reading it from the whole config) and whose last
     layers reuse earlier layers' keys and values (counted as their own, the estimate had been twice the store); on
     DeepSeek-V3, which caches one head of its latent (32 here) and rotary key (8), not its 4 heads of head_dim 8."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
-    from conftest import _COMMON
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+    from conftest import _COMMON, make_mla_model
     import lookahead.hf as hf
     from lookahead.runtime.batch import causal_step, pack_steps
 
@@ -888,10 +888,7 @@ def test_the_memory_check_counts_the_bytes_the_kv_store_holds(llama_tiny):
         **{**_COMMON, "num_hidden_layers": 4}, layer_types=["sliding_attention", "full_attention"] * 2,
         sliding_window=12, head_dim=16, global_head_dim=32, num_kv_shared_layers=2, hidden_size_per_layer_input=16,
         vocab_size_per_layer_input=128)).eval()
-    deepseek = DeepseekV3ForCausalLM(DeepseekV3Config(
-        **{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2)).eval()
-    for model in (llama_tiny, gemma4, deepseek):
+    for model in (llama_tiny, gemma4, make_mla_model()):
         runner = hf.HFModelRunner(model)
         store = runner.new_store(2, 16)
         runner.forward(store, pack_steps([0], [0], [causal_step(torch.tensor([5, 6, 7]))]))

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import _COMMON, FAMILIES, TINY_VOCAB, make_tiny_model, peaked, random_tree_step, reference_greedy
+from conftest import _COMMON, FAMILIES, TINY_VOCAB, make_mla_model, make_tiny_model, peaked, random_tree_step, reference_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -115,14 +115,10 @@ def test_mla_values_of_another_head_size_batch_and_engine_as_greedy_generate():
     """DeepSeek-V3's multi-head latent attention gives values a smaller head size than queries and keys (24 to
     16 here, as 128 to 192 in its checkpoints): a batch of prompts of different lengths (the ragged path) and an
     engine whose requests join at different steps both decode as transformers does, prompt by prompt."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
     from lookahead.engine import Engine, RequestParams
 
     torch.manual_seed(0)
-    config = DeepseekV3Config(**{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=32,
-                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2)
-    model = peaked(DeepseekV3ForCausalLM(config), 0.15)
+    model = peaked(make_mla_model(), 0.15)
     prompts = [random_prompt(n, seed) for seed, n in enumerate((7, 23, 15))]
     expected = [reference_greedy(model, p, 30, eos_token_id=[])[0, p.shape[1]:].tolist() for p in prompts]
     out = generate(model, [p[0] for p in prompts], max_new_tokens=30, config=LookaheadConfig(5, 4, 5),

@@ -1083,11 +1083,10 @@ def _tops_hold_the_chosen_token(logprobs, top: int) -> bool:
             if chosen is not None:
                 return False
             continue
-        others = [value for name, value in scored.items() if name != token]
         if scored.get(token) != chosen:
             return False
         if len(scored) == top + 1:  # the chosen token beside the likeliest ones: below them all
-            if others and chosen > min(others):
+            if any(value < chosen for name, value in scored.items() if name != token):
                 return False
         elif len(scored) != top or top == 0:
             return False
