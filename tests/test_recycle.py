@@ -87,6 +87,10 @@ def test_a_corpus_shares_the_predictions_across_calls_and_clear_forgets_them(lla
     assert later.recycle.table is corpus.successors
     corpus.clear()
     assert len(corpus.successors) == 0
+    # A request still running keeps its table: had clear emptied it in place, that request would go on filling
+    # the table of the cleared corpus, whose next model (of a smaller vocabulary, say) got ids past its own.
+    assert later.recycle.table is not corpus.successors and len(later.recycle.table) > 0
+    assert LookaheadDecoder(config, [1, 2, 3], corpus=corpus).recycle.table is corpus.successors
 
 
 @given(rows=st.integers(1, 6), vocab=st.integers(4, 40), count=st.integers(1, 4), seed=st.integers(0, 2**16),

@@ -108,15 +108,24 @@ def test_corpus_keeps_the_newest_documents_within_its_cap():
     assert corpus.tokens == 0 and len(corpus) == 0
 
 
-def test_bytes_per_token_bounds_the_automaton_memory():
-    tokens = [random.Random(0).randrange(1000) for _ in range(20000)]
+@pytest.mark.parametrize("text", ["random", "one token repeated"])
+def test_bytes_per_token_bounds_a_corpus_memory(text):
+    """Random text makes about one automaton state a token; documents each of one token repeated, two (the worst
+    case: such a corpus had grown to 1.15x its cap). Ids as a tensor's `tolist` gives them: an int object each."""
+    import torch
+
+    rng = random.Random(0)
+    documents = [[rng.randrange(50000) for _ in range(500)] if text == "random" else [40000 + i] * 500
+                 for i in range(40)]
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    automaton = SuffixAutomaton(tokens)
+    corpus = Corpus()
+    for document in documents:
+        corpus.add(torch.tensor(document).tolist())
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    assert len(automaton) == 20000
-    assert used / 20000 <= BYTES_PER_TOKEN
+    assert corpus.tokens == 40 * 501 and len(corpus.automaton.length) > (1.9 if text != "random" else 1) * 20000
+    assert used / corpus.tokens <= BYTES_PER_TOKEN
 
 
 @pytest.mark.parametrize("value", [0, -1, "8", True, float("nan"), float("inf")])
@@ -137,11 +146,42 @@ def test_a_corpus_cap_may_be_any_real_number_and_a_huge_one_is_refused(value):
 
 
 def test_a_corpus_cap_too_small_for_one_token_is_refused_and_the_smallest_holds_one():
-    with pytest.raises(ValueError, match=r"max_megabytes must hold at least one token \(0.0011 MB"):
+    with pytest.raises(ValueError, match=rf"max_megabytes must hold at least one token \({2 * BYTES_PER_TOKEN / 2**20:.4f} MB"):
         Corpus(max_megabytes=1.5 * BYTES_PER_TOKEN / 2**20)  # room for 1 token: the separator alone
     corpus = Corpus(max_megabytes=2 * BYTES_PER_TOKEN / 2**20)
     corpus.add([5, 6, 7])
     assert corpus.tokens == 2 and corpus.automaton.tokens[1:] == [7]  # the newest token, after its separator
+
+
+def test_threads_adding_to_one_corpus_leave_it_the_automaton_of_its_documents():
+    """Two threads adding documents at once, switching every microsecond so that they interleave inside an add: the
+    corpus holds every document, and its automaton is the one built afresh over them. Without its lock, the
+    tokens and suffix links parted from a fresh build's (and two `generate` calls sharing a small corpus raised
+    "deque mutated during iteration" from an eviction)."""
+    import sys
+    import threading
+
+    interval = sys.getswitchinterval()
+    corpus = Corpus()
+
+    def add(offset: int) -> None:
+        for i in range(3000):
+            corpus.add([offset + i % 50, offset + i * 7 % 50, 3])
+
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=add, args=(offset,)) for offset in (0, 100)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    fresh = SuffixAutomaton()
+    for document in corpus._documents:
+        fresh.append(-1 - len(fresh))
+        fresh.extend(document)
+    assert len(corpus) == 6000 and corpus.automaton.tokens == fresh.tokens and corpus.automaton.link == fresh.link
 
 
 def _chain(other: list[int], text: list[int], longest: int) -> list[tuple[int, int]]:

@@ -3,6 +3,7 @@ O(1) per appended token, and its continuation as a draft of any length."""
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -131,9 +132,11 @@ def continuation(tokens: Sequence[int], end: int, limit: int, stop: int | None =
     return tuple(out)
 
 
-# Memory of one token of text in a `SuffixAutomaton` (about two states, each a dict and three list slots),
-# measured with tracemalloc on 100k tokens (tests/test_suffix.py checks it stays an upper bound).
-BYTES_PER_TOKEN = 600
+# Memory of one token of a `Corpus` at worst: two automaton states a token (documents each of one token repeated),
+# each a dict and three list slots, 704 bytes measured with tracemalloc; random text over a vocabulary of 1,000 to
+# 152,064 ids takes 440-470 bytes (tests/test_suffix.py checks it stays an upper bound on both). 600 had let a corpus
+# of one token repeated grow to 1.15x its cap.
+BYTES_PER_TOKEN = 720
 
 
 class Corpus:
@@ -142,7 +145,8 @@ class Corpus:
     are dropped first, down to three quarters of the cap. Documents are kept apart by separators, so no
     match crosses two of them. `successors`: the model's predictions after each token, shared the same way by the recycle source
     (one entry per vocabulary token at most, outside the cap). It serves the models of one vocabulary: the
-    first request's model sets its size (`serve`), and a model of another size is refused."""
+    first request's model sets its size (`serve`), and a model of another size is refused. Threads may share it:
+    `lock` is held while it changes and while a request matches in it (a document is added in place)."""
 
     KEPT_AFTER_EVICTION = 0.75
 
@@ -158,42 +162,49 @@ class Corpus:
         self.version = 0  # changes whenever the automaton is replaced or grows
         self.largest_token = -1  # the largest token id held (-1: none)
         self.vocabulary: int | None = None  # the vocabulary size of the models it serves (None: none yet)
+        self.lock = threading.RLock()
 
     def add(self, tokens: Sequence[int]) -> None:
         """Add one document: token ids (a sequence of ints, or a 1-D array or tensor of them); the oldest
         documents go if the corpus outgrows its cap. Raises ValueError for anything else, and for ids
         outside the vocabulary it serves."""
         tokens = _token_ids(tokens)
-        if self.vocabulary is not None and max(tokens, default=-1) >= self.vocabulary:
-            raise ValueError(f"a corpus document holds token id {max(tokens)}, outside the vocabulary [0, "
-                             f"{self.vocabulary}) of the models this corpus serves")
-        document = tuple(tokens[-self.max_tokens + 1 :]) if len(tokens) >= self.max_tokens else tuple(tokens)
-        self._documents.append(document)
-        if len(self.automaton) + len(document) + 1 > self.max_tokens:
-            # Down to the newest documents that fit in KEPT_AFTER_EVICTION of the cap (the newest always): the
-            # automaton is built again over all that is kept (0.2 s at the default cap), so once per quarter of
-            # the cap added, not at every document once the corpus is full (a server adds one per reply).
-            held, keep = sum(len(d) + 1 for d in self._documents), int(self.max_tokens * self.KEPT_AFTER_EVICTION)
-            while len(self._documents) > 1 and held > keep:
-                held -= len(self._documents.popleft()) + 1
-            self._rebuild()
-        else:
-            self._append(document)
-        self.version += 1
+        with self.lock:
+            if self.vocabulary is not None and max(tokens, default=-1) >= self.vocabulary:
+                raise ValueError(f"a corpus document holds token id {max(tokens)}, outside the vocabulary [0, "
+                                 f"{self.vocabulary}) of the models this corpus serves")
+            document = tuple(tokens[-self.max_tokens + 1 :]) if len(tokens) >= self.max_tokens else tuple(tokens)
+            self._documents.append(document)
+            if len(self.automaton) + len(document) + 1 > self.max_tokens:
+                # Down to the newest documents that fit in KEPT_AFTER_EVICTION of the cap (the newest always): the
+                # automaton is built again over all that is kept (0.2 s at the default cap), so once per quarter of
+                # the cap added, not at every document once the corpus is full (a server adds one per reply).
+                held = sum(len(d) + 1 for d in self._documents)
+                keep = int(self.max_tokens * self.KEPT_AFTER_EVICTION)
+                while len(self._documents) > 1 and held > keep:
+                    held -= len(self._documents.popleft()) + 1
+                self._rebuild()
+            else:
+                self._append(document)
+            self.version += 1
 
     def clear(self) -> None:
         """Empty, as new: it may then serve the models of another vocabulary."""
-        self._documents.clear()
-        self.successors.clear()
-        self._rebuild()
-        self.vocabulary = None
-        self.version += 1
+        with self.lock:
+            self._documents.clear()
+            # A new table, not the old one emptied: requests still running on it (of a model of another
+            # vocabulary, maybe) go on teaching theirs, and their predictions must not reach the models served next.
+            self.successors = SuccessorTable()
+            self._rebuild()
+            self.vocabulary = None
+            self.version += 1
 
     def serve(self, vocabulary: int) -> None:
         """Serve a model of a vocabulary of this size from now on (a request's, before it drafts from the
         corpus). Raises ValueError as `check` does."""
-        self.check(vocabulary)
-        self.vocabulary = vocabulary
+        with self.lock:
+            self.check(vocabulary)
+            self.vocabulary = vocabulary
 
     def check(self, vocabulary: int) -> None:
         """Raise ValueError where the corpus serves another vocabulary size, or holds ids outside this one: the ids
@@ -257,8 +268,10 @@ class SuffixProposer:
     def observe(self, text: Sequence[int], new: int) -> None:
         tokens = text[len(text) - new :]
         self.own.extend(tokens)
-        if self.corpus is not None and not self._rematched(text):
-            self._cursor.feed(tokens)
+        if self.corpus is not None:
+            with self.corpus.lock:
+                if not self._rematched(text):
+                    self._cursor.feed(tokens)
 
     def _rematched(self, text: Sequence[int]) -> bool:
         """Whether the corpus changed since the text was last matched in it, and its end was matched afresh:
@@ -271,8 +284,13 @@ class SuffixProposer:
         return True
 
     def propose(self, text: Sequence[int], limit: int) -> list[Draft]:
-        if self.corpus is not None:
+        if self.corpus is None:
+            return self._drafts(text, limit)
+        with self.corpus.lock:
             self._rematched(text)  # e.g. another request ended and added its text since this one's last step
+            return self._drafts(text, limit)
+
+    def _drafts(self, text: Sequence[int], limit: int) -> list[Draft]:
         drafts: list[Draft] = []
         seen: set[tuple[int, ...]] = set()
         found = [(self.own.tokens, length, end, "suffix") for length, end in self.own.earlier_matches(self.branches)]
