@@ -114,6 +114,17 @@ def test_generate_runs_a_model_whose_generation_config_has_stop_strings(tiny_dir
     assert json.loads(result.stdout)["new_tokens"] >= 1
 
 
+def test_compare_gives_the_generation_configs_stop_strings_to_both_methods(tiny_dir, tmp_path):
+    """Without --stop, transformers' generate was handed stop_strings=None, which sets none over the model's: it ran
+    on past the string where ours stopped, and --compare said the greedy outputs differed."""
+    free = json.loads(run_cli("generate", "hi", "--model", tiny_dir, "--max-new-tokens", "12", "--json").stdout)["text"]
+    folder = _tiny_with(tiny_dir, tmp_path, stop_strings=[free[len(free) // 3:][:3]])
+    result = run_cli("generate", "hi", "--model", folder, "--max-new-tokens", "12", "--json", "--compare")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["identical"] is True and report["new_tokens"] < 12
+
+
 def test_generate_reports_what_decoding_refuses_in_one_line(tiny_dir, tmp_path):
     """A generation config asking for beam search is found only when decoding starts: one line and exit 2 (it
     had been a traceback and exit 1)."""

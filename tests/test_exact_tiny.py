@@ -432,7 +432,8 @@ def test_fuzz_identical_to_greedy(family, prompt, window, ngram, guesses, suffix
     config = LookaheadConfig(window=window, ngram=ngram, guesses=guesses, suffix=suffix, recycle=recycle,
                              budget=budget)
     oracle = [] if oracle_seed is None else [NoisyOracle(prompt + free_run, oracle_seed)]
-    out = generate(model, ids, max_new_tokens=max_new_tokens, config=config, eos_token_id=eos, proposers=oracle)
+    stops = {} if eos is None else {"eos_token_id": eos}  # the model's left out: None given would mean none
+    out = generate(model, ids, max_new_tokens=max_new_tokens, config=config, proposers=oracle, **stops)
     assert out.sequences.tolist() == expected.tolist()
 
 

@@ -132,10 +132,10 @@ def test_finished_rows_are_padded_with_what_generate_pads_with(model_eos, call_e
     model.generation_config.pad_token_id = None
     model.generation_config.eos_token_id = model_eos
     ids, mask = _left_padded([[5, 6, 7, 8, 9], [11, 12, 13]], 0)
-    given = {} if call_eos is None else {"eos_token_id": call_eos}  # generate reads None as "no stop token"
+    given = {} if call_eos is None else {"eos_token_id": call_eos}  # None given would mean "no stop token"
     with torch.inference_mode():
         expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8, **given)
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=call_eos)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=8, **given)
     assert out.sequences.tolist() == expected.tolist()
     assert 36 in out.sequences[:, ids.shape[1]:].tolist()[0][:-1]  # a row stopped early and was padded
 
@@ -581,3 +581,57 @@ def test_scores_of_a_list_of_prompts_have_a_row_per_new_position():
     assert len(out.logits) == 4 and out.logits[0].shape == (2, model.config.vocab_size)
     alone = generate(model, [8, 9, 10, 11, 12], max_new_tokens=4, eos_token_id=[], output_logits=True)
     torch.testing.assert_close(torch.stack(out.logits)[:, 1], torch.stack(alone.logits)[:, 0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_k", "top_p", "repetition_penalty"])
+def test_a_sampling_option_given_as_none_is_off_over_the_generation_config_as_in_generate(name):
+    """`model.generate(top_p=None)` sets the field to None over the model's generation config (top_k=None over
+    transformers' default of 50, which the config leaves unset): no such warper. Left out, the config's (or the
+    default) applies. Each way, the first position's scores are `generate`'s."""
+    model = make_tiny_model("llama")
+    if name != "top_k":
+        setattr(model.generation_config, name, {"temperature": 0.5, "top_p": 0.5, "repetition_penalty": 1.5}[name])
+    scores = []
+    for given in ({name: None}, {}):
+        with torch.inference_mode():
+            expected = model.generate(PROMPT, do_sample=True, max_new_tokens=1, eos_token_id=[], output_scores=True,
+                                      return_dict_in_generate=True, **given).scores[0]
+        out = generate(model, PROMPT, do_sample=True, max_new_tokens=2, eos_token_id=[], output_scores=True,
+                       config=CONFIGS[1], **given)
+        torch.testing.assert_close(out.scores[0], expected, rtol=1e-4, atol=1e-4)
+        scores.append(out.scores[0])
+    assert not torch.equal(*scores)  # the option given as None made a difference
+
+
+def test_keywords_given_as_none_clear_the_generation_configs_value_as_in_generate():
+    """eos_token_id=None: no stop token; max_new_tokens=None: the config's max_length, not its max_new_tokens;
+    do_sample=None: greedy where the config samples; output_scores=None: no scores where it asks for them; a field
+    by name (no_repeat_ngram_size=None): its processor off. (The engine had completed the call's config again with
+    the model's, undoing a None.)"""
+    free = free_run()
+    model = make_tiny_model("llama")
+    config = model.generation_config
+    config.eos_token_id, config.pad_token_id, config.max_new_tokens = free[3], 0, 6
+    config.max_length, config.do_sample, config.output_scores = PROMPT.shape[1] + 10, True, True
+    config.no_repeat_ngram_size = 1
+    left_out = generate(model, PROMPT, config=CONFIGS[1], generator=torch.Generator().manual_seed(0))
+    assert left_out.scores is not None and left_out.sequences.shape[1] <= PROMPT.shape[1] + 6
+    given = {"eos_token_id": None, "max_new_tokens": None, "do_sample": None, "output_scores": None,
+             "no_repeat_ngram_size": None}
+    with torch.inference_mode():
+        expected = model.generate(PROMPT, return_dict_in_generate=True, **given)
+    out = generate(model, PROMPT, config=CONFIGS[1], **given)
+    assert expected.scores is None and out.scores is None
+    assert out.sequences.tolist() == expected.sequences.tolist() == [PROMPT[0].tolist() + free[:10]]
+
+
+@pytest.mark.parametrize("criterion, keyword", [("EosTokenCriteria", "eos_token_id"),
+                                                ("MaxLengthCriteria", "max_new_tokens")])
+def test_a_callers_stop_token_or_length_criterion_is_refused_naming_its_keyword(criterion, keyword):
+    """In `generate` it would take the place of the stop tokens or the length for stopping alone (the processors,
+    min_new_tokens say, keep the config's); it had been added beside them, stopping where `generate` does not."""
+    import transformers
+
+    made = getattr(transformers, criterion)(**{"eos_token_id": 3} if criterion == "EosTokenCriteria" else {"max_length": 30})
+    with pytest.raises(ValueError, match=rf"stopping_criteria: .* a caller's {criterion} .* pass {keyword}= instead"):
+        generate(make_tiny_model("llama"), PROMPT, max_new_tokens=4, stopping_criteria=[made])

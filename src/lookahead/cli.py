@@ -60,10 +60,11 @@ def _fail(message: str) -> NoReturn:
 def _sampling_options(
     temperature: float, top_k: int | None, top_p: float | None, repetition_penalty: float | None = None
 ) -> dict:
-    """generate() options; checked here so that a bad value is reported before the model loads."""
-    options = {"do_sample": temperature > 0, "temperature": temperature, "top_k": top_k, "top_p": top_p}
-    if repetition_penalty is not None:
-        options["repetition_penalty"] = repetition_penalty
+    """generate() options; checked here so that a bad value is reported before the model loads. An option not
+    given is left out (the model's generation config's, else transformers' default): None given would switch it off."""
+    options = {"do_sample": temperature > 0, "temperature": temperature}
+    options |= {name: value for name, value in (("top_k", top_k), ("top_p", top_p),
+                                                ("repetition_penalty", repetition_penalty)) if value is not None}
     for name, value, valid, allowed in [
         ("--temperature", temperature, temperature >= 0, "a number >= 0 (0 means greedy)"),
         ("--top-k", top_k, top_k is None or top_k >= 0, "an integer >= 0"),
@@ -76,7 +77,7 @@ def _sampling_options(
         if value is not None and not options["do_sample"]:
             raise typer.BadParameter("applies only when sampling: give --temperature > 0 too", param_hint=name)
     if not options["do_sample"]:  # greedy: plain generate takes no sampling options
-        del options["temperature"], options["top_k"], options["top_p"]
+        del options["temperature"]
     return options
 
 
@@ -228,8 +229,8 @@ def generate_command(
                   f"{stats.tokens_per_second:.1f} tokens/s, {max(workers, launched)} processes]", file=sys.stderr)
         return
 
-    # The tokenizer always: a model's generation config may hold stop strings of its own (None: those).
-    stops = {"stop_strings": stop, "tokenizer": tokenizer}
+    # The tokenizer always: a model's generation config may hold stop strings of its own (taken without --stop).
+    stops = {"tokenizer": tokenizer} | ({} if stop is None else {"stop_strings": stop})
 
     def ours(tokens: int, streamer=None):
         return generate(lm, input_ids, max_new_tokens=tokens, config=config, streamer=streamer, seed=seed,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
-from transformers import (GenerationConfig, LogitsProcessor, MaxTimeCriteria, PreTrainedModel, PreTrainedTokenizerBase,
-                          StopStringCriteria)
+from transformers import (EosTokenCriteria, GenerationConfig, LogitsProcessor, MaxLengthCriteria, MaxTimeCriteria,
+                          PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria)
 
 from .config import LookaheadConfig
 from .core.drafts import Proposer
@@ -22,39 +23,55 @@ from .sampling import (check_generation_config, merged_by_type, unsupported_opti
                        with_model_defaults)
 
 
+class _Keyword(enum.Enum):
+    """The default of `generate`'s generation config keywords: left out of the call, which takes the generation
+    config's value, told apart from None given, which (as in `model.generate`) sets the field to None over it."""
+    LEFT_OUT = "left out"
+
+    def __repr__(self) -> str:
+        return "<left out>"
+
+
+LEFT_OUT = _Keyword.LEFT_OUT
+# What `model.generate` does with a sampling option given as None: no such warper, as these values.
+_SWITCHED_OFF = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+
+
 def generate(
     model: PreTrainedModel,
     input_ids: torch.Tensor | list[int] | list[list[int]] | list[torch.Tensor],
     attention_mask: torch.Tensor | None = None,
-    max_new_tokens: int | None = None,
+    max_new_tokens: int | None | _Keyword = LEFT_OUT,
     config: LookaheadConfig | None = None,
-    eos_token_id: int | Iterable[int] | None = None,
+    eos_token_id: int | Iterable[int] | None | _Keyword = LEFT_OUT,
     streamer=None,
     packed_linear: bool | None = None,
     compile: bool | str = False,
-    do_sample: bool | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float | None = None,
+    do_sample: bool | None | _Keyword = LEFT_OUT,
+    temperature: float | None | _Keyword = LEFT_OUT,
+    top_k: int | None | _Keyword = LEFT_OUT,
+    top_p: float | None | _Keyword = LEFT_OUT,
+    repetition_penalty: float | None | _Keyword = LEFT_OUT,
     logits_processor: Sequence[LogitsProcessor] | None = None,
     generator: torch.Generator | None = None,
     seed: int | None = None,
     corpus: Corpus | None = None,
     proposers: Sequence[Proposer] = (),
-    pad_token_id: int | None = None,
-    stop_strings: str | Sequence[str] | None = None,
+    pad_token_id: int | None | _Keyword = LEFT_OUT,
+    stop_strings: str | Sequence[str] | None | _Keyword = LEFT_OUT,
     tokenizer: PreTrainedTokenizerBase | None = None,
     stopping_criteria: Sequence[StoppingCriterion] | None = None,
-    output_scores: bool | None = None,
-    output_logits: bool | None = None,
+    output_scores: bool | None | _Keyword = LEFT_OUT,
+    output_logits: bool | None | _Keyword = LEFT_OUT,
     generation_config: GenerationConfig | None = None,
     prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
     **generation_options,
 ) -> GenerateOutput:
     """Decoding with lookahead. Greedy gives `model.generate(do_sample=False)`'s output token for token;
     sampling (`do_sample=True`) draws from the same distribution as `model.generate(do_sample=True)` with the
-    same options (docs/sampling.md). Unset options come from the generation config, as in `generate`:
+    same options (docs/sampling.md). Options left out come from the generation config, as in `generate`; given
+    as None, they set its field to None, as there too (top_k=None: no top-k, not transformers' default of 50;
+    eos_token_id=None: no stop token; a stopping criterion or a processor of the config's, none). Left out:
     do_sample (greedy where it sets none), the sampling options, and max_new_tokens (its max_new_tokens, else
     its max_length less the input's length, else DEFAULT_NEW_TOKENS, 128, or what the model's context leaves
     after the input where that is fewer; transformers' `generate` makes 20 there); `temperature=0` means greedy;
@@ -78,17 +95,19 @@ def generate(
     corpus: text shared across calls and sequences; the suffix source drafts from it and the recycle source from
     the predictions it keeps, and each sequence's prompt and output are added to it when it finishes. proposers:
     more draft sources (`lookahead.core.drafts.Proposer`), merged into the same tree (one prompt only: a
-    proposer keeps one sequence's state). eos_token_id: one id or several; None takes the model's generation
-    config. pad_token_id: what fills a sequence after it stops; None: the model's pad token, else the first stop
-    token (as `generate`). stop_strings (None: the model's generation config's), with the model's `tokenizer`,
+    proposer keeps one sequence's state). eos_token_id: one id or several; left out, the generation config's.
+    pad_token_id: what fills a sequence after it stops; left out, the generation config's pad token, else the
+    first stop token (as `generate`). stop_strings (left out: the generation config's), with the model's `tokenizer`,
     and stopping_criteria (transformers `StoppingCriteria`; `scores` reach them as None): as in `generate`, a
     sequence ends at the first token that completes a stop string or that a criterion stops at, that token
     kept (`RequestParams.stopping_criteria`); the generation config's `max_time` stops every sequence past that
     many seconds, as in `generate`. A caller's processor or criterion of the very type of one that `generate`
-    builds from the generation config takes its place, as there. Processors, criteria and
+    builds from the generation config takes its place, as there (an `EosTokenCriteria` or a `MaxLengthCriteria` is
+    refused: there it would replace the stop tokens or the length for stopping alone, which eos_token_id and
+    max_new_tokens set here). Processors, criteria and
     `prefix_allowed_tokens_fn` (transformers' constraint, called with each row's batch index and its ids) see
     one row at a time ([1, L], its left padding in front): a processor that indexes the batch sees row 0 alone.
-    output_scores, output_logits (None: the generation config's): `out.scores` / `out.logits` as in
+    output_scores, output_logits (left out: the generation config's): `out.scores` / `out.logits` as in
     `generate(..., return_dict_in_generate=True)`: per new token position a [B, vocab] float32 tensor, the scores
     each token was picked from (its logits after the processors and warpers) or the raw logits; a row whose
     sequence has stopped holds 0 for the pad token and -inf elsewhere (`generate` would run the model on
@@ -109,9 +128,20 @@ def generate(
     (3-7% faster int4 steps there; compiling a graph took up to 230 s).
     """
     check_model(model)
+    keywords = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, do_sample=do_sample,
+                    temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                    pad_token_id=pad_token_id, stop_strings=stop_strings, output_scores=output_scores,
+                    output_logits=output_logits)
+    # As in `model.generate`, a keyword given as None is None over the generation config (top_k=None: no top-k,
+    # eos_token_id=None: no stop token); one left out is the config's, read from it below where the keyword is None.
+    cleared = {name: None for name, value in keywords.items() if value is None}
+    (max_new_tokens, eos_token_id, do_sample, temperature, top_k, top_p, repetition_penalty, pad_token_id,
+     stop_strings, output_scores, output_logits) = (
+        _SWITCHED_OFF.get(name) if name in cleared else None if value is LEFT_OUT else value
+        for name, value in keywords.items())
     # do_sample in the config too: its checks take the sampling fields (min_p, ...) of a greedy config for ignored
     settings = _generation_config(model, generation_config,
-                                  generation_options | ({"do_sample": do_sample} if do_sample else {}))
+                                  generation_options | cleared | ({"do_sample": do_sample} if do_sample else {}))
     criteria = _stopping_criteria(settings, stop_strings, tokenizer, stopping_criteria)
     eos_token_id = stop_token_list(eos_token_id)  # a generator of them read once, here
     _check_streamer(streamer)
@@ -240,14 +270,26 @@ def _generation_config(model: PreTrainedModel, given: GenerationConfig | None, o
     return config
 
 
+# The stopping criteria `generate` builds from a keyword of its own: a caller's of the type replaces it.
+_REPLACED_BY_KEYWORD = {EosTokenCriteria: ("eos_token_id", "stop tokens"),
+                        MaxLengthCriteria: ("max_new_tokens", "length")}
+
+
 def _stopping_criteria(settings: GenerationConfig, stop_strings: str | Sequence[str] | None,
                        tokenizer: PreTrainedTokenizerBase | None,
                        criteria: Sequence[StoppingCriterion] | None) -> tuple[StoppingCriterion, ...]:
     """The criteria a call stops by, as `generate` builds them: for the config's max_time (timed from now) and
-    the stop strings, each replaced by the caller's one of its type, then the caller's others."""
+    the stop strings, each replaced by the caller's one of its type, then the caller's others. A caller's
+    `EosTokenCriteria` or `MaxLengthCriteria` is refused: in `generate` it would take the place of the stop tokens or
+    the length (for stopping alone: the processors keep the config's), which the keywords here set."""
     if isinstance(criteria, (str, bytes)) or not isinstance(criteria, (Sequence, type(None))):
         raise TypeError(f"stopping_criteria must be a list of transformers StoppingCriteria or None, got "
                         f"{type(criteria).__name__}")
+    for criterion, keyword in ((c, _REPLACED_BY_KEYWORD.get(type(c))) for c in criteria or ()):
+        if keyword is not None:
+            raise ValueError(f"stopping_criteria: in transformers' generate, a caller's {type(criterion).__name__} replaces the "
+                             f"{keyword[1]} it stops at, while its processors keep the generation config's; lookahead "
+                             f"does not split the two: pass {keyword[0]}= instead")
     built = []
     max_time = getattr(settings, "max_time", None)
     if max_time is not None:

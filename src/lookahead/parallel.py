@@ -68,8 +68,8 @@ def parallel_generate(
     default group). Call it on every rank with the same model, prompt and options; every rank returns the
     same output: greedy, token for token transformers' greedy `generate`; sampled (options as in
     `generate`), token for token what `generate(..., seed=seed)` draws in one process (for seeds in [0, 2**32)
-    what `generator=torch.Generator().manual_seed(seed)` draws). max_new_tokens and do_sample None: the model's
-    generation config's, as in `generate`.
+    what `generator=torch.Generator().manual_seed(seed)` draws). max_new_tokens, do_sample and the sampling options
+    None: the model's generation config's, as `generate` takes them left out.
 
     config: a fixed step (W, N, G); None means `LookaheadConfig()` (W5 N4 G5). A budgeted config is
     refused: its step sizes follow one device's measured cost curve, which the ranks need not share."""

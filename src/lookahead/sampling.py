@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -224,10 +225,18 @@ def check_generation_config(given: object) -> None:
 
 def with_model_defaults(model: PreTrainedModel, given: GenerationConfig) -> GenerationConfig:
     """A copy of `given` with its unset fields from the model's generation config, as `model.generate` completes
-    a config it is passed (its stop tokens, its sampling options)."""
+    a config it is passed (its stop tokens, its sampling options). A config this made is complete: it comes back as
+    it is, so that a field a call then set to None (`generate(top_k=None)`: as in `model.generate`, none) stays None
+    where `generate` hands its config on to the engine."""
+    if _COMPLETED.get(id(given)) is given:
+        return given
     config = copy.deepcopy(given)
     config.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    _COMPLETED[id(config)] = config
     return config
+
+
+_COMPLETED: weakref.WeakValueDictionary[int, GenerationConfig] = weakref.WeakValueDictionary()
 
 
 Listed = TypeVar("Listed")
