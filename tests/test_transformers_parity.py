@@ -149,8 +149,8 @@ def test_a_batch_without_attention_mask_is_padded_where_its_pad_tokens_are():
     assert generate(model, ids, max_new_tokens=8, eos_token_id=[]).sequences.tolist() == expected.tolist()
     assert generate(model, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[]).sequences.tolist() \
         == expected.tolist()
-    with pytest.raises(ValueError, match=r"attention_mask \(inferred from the pad token, as generate does\) must "
-                                         r"pad on the left"):
+    with pytest.raises(ValueError, match=rf"attention_mask \(inferred from the pad token, id {pad}, as generate does; "
+                                         r"pass an attention_mask, or another pad_token_id\) must pad on the left"):
         generate(model, torch.tensor([[5, pad, 6], [7, 8, 9]]), max_new_tokens=2)
 
 

@@ -332,7 +332,9 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None, padding: int | None
     if attention_mask is None:
         if padding is None or not bool((ids == padding).any()):
             return list(ids), ids.to(torch.long).cpu()
-        mask, given = (ids != padding).to(torch.long), " (inferred from the pad token, as generate does)"
+        mask = (ids != padding).to(torch.long)
+        given = (f" (inferred from the pad token, id {padding}, as generate does; pass an attention_mask, or another "
+                 "pad_token_id)")
     else:
         try:
             mask, given = torch.as_tensor(attention_mask), ""
