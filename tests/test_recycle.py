@@ -3,6 +3,7 @@ feeding it every logit row's top tokens, and a corpus sharing it across calls.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -91,6 +92,32 @@ def test_a_corpus_shares_the_predictions_across_calls_and_clear_forgets_them(lla
     # the table of the cleared corpus, whose next model (of a smaller vocabulary, say) got ids past its own.
     assert later.recycle.table is not corpus.successors and len(later.recycle.table) > 0
     assert LookaheadDecoder(config, [1, 2, 3], corpus=corpus).recycle.table is corpus.successors
+
+
+@pytest.mark.parametrize("next_vocabulary", [1000, 64])
+def test_a_request_running_when_its_corpus_is_cleared_drafts_from_it_no_more_and_adds_nothing(llama_tiny, next_vocabulary):
+    """The corpus, cleared mid-request, then serves a model of another vocabulary. Its new text continued the request's
+    with ids past the request's model (its suffix source had drafted them: an IndexError in the embedding), or the
+    request's text fell outside the new vocabulary (its add at the end raised, the output lost)."""
+    from lookahead.engine import Engine, RequestParams
+
+    prompt = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])
+    corpus = Corpus()
+    engine = Engine(llama_tiny, max_batch=1, max_length=64)
+    engine.add_request(prompt, RequestParams(max_new_tokens=12, eos_token_id=[], corpus=corpus,
+                                             config=LookaheadConfig(window=3, ngram=3, guesses=3, suffix=8)))
+    text = prompt.tolist() + [t for out in engine.step() for t in out.tokens]
+    corpus.clear()
+    corpus.serve(next_vocabulary)
+    if next_vocabulary > 128:
+        corpus.add(text + [500, 501, 502, 503])  # another model's text, continuing this one's
+    held = corpus.tokens
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None
+            text += out.tokens
+    assert text == reference_greedy(llama_tiny, prompt.view(1, -1), 12, eos_token_id=[])[0].tolist()
+    assert corpus.tokens == held  # nothing of the request's
 
 
 @given(rows=st.integers(1, 6), vocab=st.integers(4, 40), count=st.integers(1, 4), seed=st.integers(0, 2**16),

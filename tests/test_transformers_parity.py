@@ -635,3 +635,18 @@ def test_a_callers_stop_token_or_length_criterion_is_refused_naming_its_keyword(
     made = getattr(transformers, criterion)(**{"eos_token_id": 3} if criterion == "EosTokenCriteria" else {"max_length": 30})
     with pytest.raises(ValueError, match=rf"stopping_criteria: .* a caller's {criterion} .* pass {keyword}= instead"):
         generate(make_tiny_model("llama"), PROMPT, max_new_tokens=4, stopping_criteria=[made])
+
+
+def test_a_callers_stop_token_criterion_stops_where_generate_builds_none():
+    """Without stop tokens `generate` builds no EosTokenCriteria: the caller's stops the sequence, as any criterion."""
+    from transformers import EosTokenCriteria
+
+    model = make_tiny_model("llama")
+    stop = free_run()[3]
+    for given in ({"eos_token_id": None}, {"eos_token_id": []}):
+        with torch.inference_mode():
+            expected = model.generate(PROMPT, do_sample=False, max_new_tokens=NEW, pad_token_id=0,
+                                      stopping_criteria=[EosTokenCriteria(stop)], **given)
+        out = generate(model, PROMPT, max_new_tokens=NEW, config=CONFIGS[1], stopping_criteria=[EosTokenCriteria(stop)],
+                       **given)
+        assert out.sequences.tolist() == expected.tolist() == [PROMPT[0].tolist() + free_run()[:4]], given

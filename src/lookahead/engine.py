@@ -188,6 +188,7 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     padding: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # see add_request
     text: torch.Tensor | None = None  # [1, padding + prompt + max_new_tokens]: what the stopping criteria see
+    corpus_epoch: int = 0  # its corpus's epoch when it began: cleared since, the corpus takes none of its text
 
     @property
     def decoding(self) -> bool:
@@ -270,6 +271,7 @@ class Engine:
         transform = rule.transform
         if transform is not None and padding.numel():
             transform = _behind_padding(padding, transform)
+        epoch = params.corpus.epoch if params.corpus is not None else 0  # as its suffix source reads it
         decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=transform,
                                    corpus=params.corpus, cost=self.cost, proposers=params.proposers,
                                    stats=acceptance_stats(self.model, rule.choose is not None),
@@ -279,7 +281,8 @@ class Engine:
             params.corpus.serve(vocabulary_size(self.model))
         with self._lock:
             request = _Request(self._next_id, prompt, params, decoder, set(stops),
-                               GenerationStats(window=decoder.window.width), padding=padding)
+                               GenerationStats(window=decoder.window.width), padding=padding,
+                               corpus_epoch=epoch)
             self._next_id += 1
             self._waiting.append(request)
         return request.id
@@ -589,9 +592,12 @@ class Engine:
         stats.new_tokens = len(request.generated)
         stats.accepted_by_source = dict(request.decoder.accepted_by_source)
         stats.seconds = time.perf_counter() - request.started
+        corpus = request.params.corpus
         try:
-            if request.params.corpus is not None:
-                request.params.corpus.add(request.prompt.tolist() + request.generated)
+            if corpus is not None:
+                with corpus.lock:  # a corpus cleared since the request began holds others' text now
+                    if corpus.epoch == request.corpus_epoch:
+                        corpus.add(request.prompt.tolist() + request.generated)
         finally:
             self._free(request)
         return stats

@@ -142,8 +142,9 @@ def generate(
     # do_sample in the config too: its checks take the sampling fields (min_p, ...) of a greedy config for ignored
     settings = _generation_config(model, generation_config,
                                   generation_options | cleared | ({"do_sample": do_sample} if do_sample else {}))
-    criteria = _stopping_criteria(settings, stop_strings, tokenizer, stopping_criteria)
     eos_token_id = stop_token_list(eos_token_id)  # a generator of them read once, here
+    criteria = _stopping_criteria(settings, stop_strings, tokenizer, stopping_criteria,
+                                  bool(eos_ids(model, eos_token_id, settings)))
     _check_streamer(streamer)
     prompts, layout = _prompts(input_ids, attention_mask, inferred_padding(model, settings, eos_token_id,
                                                                            pad_token_id))
@@ -276,17 +277,19 @@ _REPLACED_BY_KEYWORD = {EosTokenCriteria: ("eos_token_id", "stop tokens"),
 
 
 def _stopping_criteria(settings: GenerationConfig, stop_strings: str | Sequence[str] | None,
-                       tokenizer: PreTrainedTokenizerBase | None,
-                       criteria: Sequence[StoppingCriterion] | None) -> tuple[StoppingCriterion, ...]:
+                       tokenizer: PreTrainedTokenizerBase | None, criteria: Sequence[StoppingCriterion] | None,
+                       has_stop_tokens: bool) -> tuple[StoppingCriterion, ...]:
     """The criteria a call stops by, as `generate` builds them: for the config's max_time (timed from now) and
     the stop strings, each replaced by the caller's one of its type, then the caller's others. A caller's
-    `EosTokenCriteria` or `MaxLengthCriteria` is refused: in `generate` it would take the place of the stop tokens or
-    the length (for stopping alone: the processors keep the config's), which the keywords here set."""
+    `MaxLengthCriteria`, and its `EosTokenCriteria` where the call has stop tokens, is refused: in `generate` it
+    would take the place of the length or the stop tokens (for stopping alone: the processors keep the config's),
+    which the keywords here set. Without stop tokens `generate` builds no `EosTokenCriteria`: the caller's is one
+    criterion among the others."""
     if isinstance(criteria, (str, bytes)) or not isinstance(criteria, (Sequence, type(None))):
         raise TypeError(f"stopping_criteria must be a list of transformers StoppingCriteria or None, got "
                         f"{type(criteria).__name__}")
     for criterion, keyword in ((c, _REPLACED_BY_KEYWORD.get(type(c))) for c in criteria or ()):
-        if keyword is not None:
+        if keyword is not None and (has_stop_tokens or type(criterion) is not EosTokenCriteria):
             raise ValueError(f"stopping_criteria: in transformers' generate, a caller's {type(criterion).__name__} replaces the "
                              f"{keyword[1]} it stops at, while its processors keep the generation config's; lookahead "
                              f"does not split the two: pass {keyword[0]}= instead")

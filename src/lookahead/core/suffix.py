@@ -160,6 +160,8 @@ class Corpus:
         self.automaton = SuffixAutomaton()
         self.successors = SuccessorTable()
         self.version = 0  # changes whenever the automaton is replaced or grows
+        # Changes at every clear(): requests begun before it neither draft from nor add to what it holds since.
+        self.epoch = 0
         self.largest_token = -1  # the largest token id held (-1: none)
         self.vocabulary: int | None = None  # the vocabulary size of the models it serves (None: none yet)
         self.lock = threading.RLock()
@@ -189,7 +191,8 @@ class Corpus:
             self.version += 1
 
     def clear(self) -> None:
-        """Empty, as new: it may then serve the models of another vocabulary."""
+        """Empty, as new: it may then serve the models of another vocabulary. Requests begun before no longer draft
+        from it, nor add their text to it (`epoch`)."""
         with self.lock:
             self._documents.clear()
             # A new table, not the old one emptied: requests still running on it (of a model of another
@@ -198,6 +201,7 @@ class Corpus:
             self._rebuild()
             self.vocabulary = None
             self.version += 1
+            self.epoch += 1
 
     def serve(self, vocabulary: int) -> None:
         """Serve a model of a vocabulary of this size from now on (a request's, before it drafts from the
@@ -261,6 +265,7 @@ class SuffixProposer:
     def __init__(self, corpus: Corpus | None = None, branches: int = 3) -> None:
         self.own = SuffixAutomaton()
         self.corpus = corpus
+        self._epoch = corpus.epoch if corpus is not None else 0
         self.branches = branches
         self._cursor: MatchCursor | None = None
         self._corpus_version = -1
@@ -268,10 +273,17 @@ class SuffixProposer:
     def observe(self, text: Sequence[int], new: int) -> None:
         tokens = text[len(text) - new :]
         self.own.extend(tokens)
-        if self.corpus is not None:
+        if self._corpus_in_use():
             with self.corpus.lock:
                 if not self._rematched(text):
                     self._cursor.feed(tokens)
+
+    def _corpus_in_use(self) -> bool:
+        """Whether the proposer drafts from a corpus: one cleared since it began is dropped for good (it holds
+        other requests' text now, of another model's vocabulary maybe)."""
+        if self.corpus is not None and self.corpus.epoch != self._epoch:
+            self.corpus, self._cursor = None, None
+        return self.corpus is not None
 
     def _rematched(self, text: Sequence[int]) -> bool:
         """Whether the corpus changed since the text was last matched in it, and its end was matched afresh:
@@ -284,7 +296,7 @@ class SuffixProposer:
         return True
 
     def propose(self, text: Sequence[int], limit: int) -> list[Draft]:
-        if self.corpus is None:
+        if not self._corpus_in_use():
             return self._drafts(text, limit)
         with self.corpus.lock:
             self._rematched(text)  # e.g. another request ended and added its text since this one's last step
