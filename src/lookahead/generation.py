@@ -102,9 +102,9 @@ def generate(
     sequence ends at the first token that completes a stop string or that a criterion stops at, that token
     kept (`RequestParams.stopping_criteria`); the generation config's `max_time` stops every sequence past that
     many seconds, as in `generate`. A caller's processor or criterion of the very type of one that `generate`
-    builds from the generation config takes its place, as there (an `EosTokenCriteria` or a `MaxLengthCriteria` is
-    refused: there it would replace the stop tokens or the length for stopping alone, which eos_token_id and
-    max_new_tokens set here). Processors, criteria and
+    builds from the generation config takes its place, as there (a `MaxLengthCriteria`, and an `EosTokenCriteria`
+    where the call has stop tokens, is refused: there it would replace the length or the stop tokens for stopping
+    alone, which max_new_tokens and eos_token_id set here). Processors, criteria and
     `prefix_allowed_tokens_fn` (transformers' constraint, called with each row's batch index and its ids) see
     one row at a time ([1, L], its left padding in front): a processor that indexes the batch sees row 0 alone.
     output_scores, output_logits (left out: the generation config's): `out.scores` / `out.logits` as in
