@@ -61,6 +61,10 @@ def test_bench_on_a_tiny_model(tiny_dir, tmp_path):
     assert "drafts lookahead-W2N3G2: fed " in result.stdout and "drafts lookahead-W0N4G3: fed " in result.stdout
     profile = next(line for line in result.stdout.splitlines() if line.startswith("profile lookahead-W2N3G2:"))
     assert all(f" {phase} " in profile for phase in ("forward", "inputs", "plan", "verify", "commit", "prefill"))
+    # the shares add up to the whole call: "set-up" holds what no phase timed (they had summed to about 90%)
+    shares = [share.rsplit(" ", 1) for share in profile.split("; ")[1].split(", ")]
+    assert shares[-1][0] == "set-up"
+    assert sum(float(share.rstrip("%")) for _, share in shares) == pytest.approx(100, abs=0.5)
 
 
 def test_bench_two_turns_and_a_user_jsonl(tiny_dir, tmp_path):
@@ -87,6 +91,14 @@ def test_bench_sweep_and_cost(tiny_dir, tmp_path):
     assert all(p["tokens_fed_per_step"] >= 1 and p["tokens_per_step"] >= 1 for p in sweep["points"])
     assert set(sweep["fit"]) == {"intercept", "slope"} and (tmp_path / "sweep.png").stat().st_size > 0
     assert "fit: tokens/step =" in result.stdout
+
+    # one config three times: every point feeds the same tokens a step, so there is no slope to fit (numpy had made one)
+    result = run("bench", "sweep", "--model", tiny_dir, "--limit", "1", "--windows", "3,3,3", "--ngrams", "3",
+                 "--guesses", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "same"))
+    assert result.returncode == 0, result.stderr
+    assert "fit: none (the points feed the same number of tokens a step)" in result.stdout
+    fit = json.loads((tmp_path / "same" / "sweep.json").read_text())["fit"]
+    assert math.isnan(fit["intercept"]) and math.isnan(fit["slope"])
 
     result = run("bench", "cost", "--model", tiny_dir, "--max-k", "8", "--repeats", "1", "--context", "16",
                  "--out", str(tmp_path))

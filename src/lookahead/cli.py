@@ -620,9 +620,11 @@ def sweep_command(
     print("| W | N | G | tokens fed/step | tokens/step | seconds |\n|---|---|---|---|---|---|")
     for p in points:
         print(f"| {p.window} | {p.ngram} | {p.guesses} | {p.tokens_fed_per_step:.1f} | {p.tokens_per_step:.2f} | {p.seconds:.1f} |")
-    if len(points) >= 2:
-        intercept, slope = fit_log_line(points)
-        print(f"fit: tokens/step = {intercept:.3f} + {slope:.3f} * ln(tokens fed per step)")
+    fit = fit_log_line(points)
+    if fit is not None:
+        print(f"fit: tokens/step = {fit[0]:.3f} + {fit[1]:.3f} * ln(tokens fed per step)")
+    else:
+        print("fit: none (the points feed the same number of tokens a step)")
     if out is not None:
         for path in write_sweep(out, points, environment(lm)):
             print(f"wrote {path}")

@@ -2,8 +2,9 @@
 batches, left-padded), and by our engine with B slots (continuous batching: a finished sequence's slot
 takes the next prompt at once), plain and with lookahead, in one process; throughput and per-sequence
 latency per batch size. The machines we measure on drift by up to 2x within minutes, so the methods run in
-rounds, each round in the reverse order of the one before: over two rounds every method has run first and
-last alike."""
+rounds, each round in the reverse order of the one before: over two rounds a drift linear in time costs each
+method alike (the first and the last method each run first once and last once; the middle one, plain, runs in
+the middle both times)."""
 
 from __future__ import annotations
 

@@ -46,9 +46,11 @@ PHASES = ("forward", "inputs", "plan", "verify", "commit", "prefill", "other")
 
 def profile_line(row: Summary, runs: list[Run]) -> str:
     """Where one method's time went (its overall summary row and its runs), per step and by phase
-    (`GenerationStats.phase_seconds`)."""
+    (`GenerationStats.phase_seconds`), and "set-up" for the rest of the call (the engine made, the request
+    checked), outside the phases: the shares add up to 100%."""
     totals = {phase: sum((r.phase_seconds or {}).get(phase, 0.0) for r in runs) for phase in PHASES}
-    shares = ", ".join(f"{phase} {100 * totals[phase] / row.seconds:.1f}%" for phase in PHASES)
+    totals["set-up"] = max(row.seconds - sum(totals.values()), 0.0)
+    shares = ", ".join(f"{phase} {100 * seconds / row.seconds:.1f}%" for phase, seconds in totals.items())
     return (
         f"profile {row.method}: {1000 * row.seconds / row.steps:.1f} ms/step, "
         f"model forward {1000 * totals['forward'] / row.steps:.1f} ms/step; "
@@ -222,8 +224,11 @@ def write_parallel(out: Path, runs: list[ParallelRun], predictions: list[tuple[i
     return [*written, _save(fig, ax, out / "parallel.png")]
 
 
-def fit_log_line(points: list[SweepPoint]) -> tuple[float, float]:
-    """Least-squares fit tokens/step = a + b * ln(tokens fed per step)."""
+def fit_log_line(points: list[SweepPoint]) -> tuple[float, float] | None:
+    """Least-squares fit tokens/step = a + b * ln(tokens fed per step); None where the points feed fewer than two
+    different numbers of tokens a step (no slope to fit: numpy had made one up, with a RankWarning)."""
+    if len({p.tokens_fed_per_step for p in points}) < 2:
+        return None
     x = np.log([p.tokens_fed_per_step for p in points])
     slope, intercept = np.polyfit(x, [p.tokens_per_step for p in points], 1)
     return float(intercept), float(slope)
@@ -231,7 +236,8 @@ def fit_log_line(points: list[SweepPoint]) -> tuple[float, float]:
 
 def write_sweep(out: Path, points: list[SweepPoint], env: dict) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    intercept, slope = fit_log_line(points) if len(points) >= 2 else (float("nan"), float("nan"))
+    fit = fit_log_line(points)
+    intercept, slope = fit if fit is not None else (float("nan"), float("nan"))
     (out / "sweep.json").write_text(
         json.dumps({"environment": env, "fit": {"intercept": intercept, "slope": slope},
                     "points": [asdict(p) for p in points]}, indent=1)
@@ -241,7 +247,7 @@ def write_sweep(out: Path, points: list[SweepPoint], env: dict) -> list[Path]:
     ax.scatter(fed, [p.tokens_per_step for p in points])
     for p in points:
         ax.annotate(f"{p.window},{p.ngram},{p.guesses}", (p.tokens_fed_per_step, p.tokens_per_step), fontsize=6)
-    if len(points) >= 2:
+    if fit is not None:
         grid = np.linspace(min(fed), max(fed), 50)
         ax.plot(grid, intercept + slope * np.log(grid), color="C1", label=f"{intercept:.2f} + {slope:.2f}·ln(fed)")
         ax.legend()
