@@ -95,7 +95,8 @@ def test_a_corpus_shares_the_predictions_across_calls_and_clear_forgets_them(lla
 
 
 @pytest.mark.parametrize("next_vocabulary", [1000, 64])
-def test_a_request_running_when_its_corpus_is_cleared_drafts_from_it_no_more_and_adds_nothing(llama_tiny, next_vocabulary):
+def test_a_request_running_when_its_corpus_is_cleared_drafts_from_it_no_more_and_adds_nothing(llama_tiny,
+                                                                                            next_vocabulary):
     """The corpus, cleared mid-request, then serves a model of another vocabulary. Its new text continued the request's
     with ids past the request's model (its suffix source had drafted them: an IndexError in the embedding), or the
     request's text fell outside the new vocabulary (its add at the end raised, the output lost)."""

@@ -146,7 +146,8 @@ def test_a_corpus_cap_may_be_any_real_number_and_a_huge_one_is_refused(value):
 
 
 def test_a_corpus_cap_too_small_for_one_token_is_refused_and_the_smallest_holds_one():
-    with pytest.raises(ValueError, match=rf"max_megabytes must hold at least one token \({2 * BYTES_PER_TOKEN / 2**20:.4f} MB"):
+    smallest = 2 * BYTES_PER_TOKEN / 2**20
+    with pytest.raises(ValueError, match=rf"max_megabytes must hold at least one token \({smallest:.4f} MB"):
         Corpus(max_megabytes=1.5 * BYTES_PER_TOKEN / 2**20)  # room for 1 token: the separator alone
     corpus = Corpus(max_megabytes=2 * BYTES_PER_TOKEN / 2**20)
     corpus.add([5, 6, 7])

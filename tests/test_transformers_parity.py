@@ -632,7 +632,8 @@ def test_a_callers_stop_token_or_length_criterion_is_refused_naming_its_keyword(
     min_new_tokens say, keep the config's); it had been added beside them, stopping where `generate` does not."""
     import transformers
 
-    made = getattr(transformers, criterion)(**{"eos_token_id": 3} if criterion == "EosTokenCriteria" else {"max_length": 30})
+    settings = {"eos_token_id": 3} if criterion == "EosTokenCriteria" else {"max_length": 30}
+    made = getattr(transformers, criterion)(**settings)
     with pytest.raises(ValueError, match=rf"stopping_criteria: .* a caller's {criterion} .* pass {keyword}= instead"):
         generate(make_tiny_model("llama"), PROMPT, max_new_tokens=4, stopping_criteria=[made])
 

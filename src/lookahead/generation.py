@@ -290,9 +290,9 @@ def _stopping_criteria(settings: GenerationConfig, stop_strings: str | Sequence[
                         f"{type(criteria).__name__}")
     for criterion, keyword in ((c, _REPLACED_BY_KEYWORD.get(type(c))) for c in criteria or ()):
         if keyword is not None and (has_stop_tokens or type(criterion) is not EosTokenCriteria):
-            raise ValueError(f"stopping_criteria: in transformers' generate, a caller's {type(criterion).__name__} replaces the "
-                             f"{keyword[1]} it stops at, while its processors keep the generation config's; lookahead "
-                             f"does not split the two: pass {keyword[0]}= instead")
+            raise ValueError(f"stopping_criteria: in transformers' generate, a caller's {type(criterion).__name__} "
+                             f"replaces the {keyword[1]} it stops at, while its processors keep the generation "
+                             f"config's; lookahead does not split the two: pass {keyword[0]}= instead")
     built = []
     max_time = getattr(settings, "max_time", None)
     if max_time is not None:
