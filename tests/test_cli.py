@@ -96,6 +96,10 @@ def test_generate_without_a_length_takes_the_generation_configs(tiny_dir, tmp_pa
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["identical"] is True and 0 < report["new_tokens"] <= 5
+    # ours timed as the baseline is, the whole call (its engine made, its request checked): stats.seconds, decoding
+    # alone, had made the speedup
+    assert report["call_seconds"] >= report["seconds"] > 0
+    assert report["speedup"] == pytest.approx(report["baseline_seconds"] / report["call_seconds"])
 
 
 def test_compare_says_whether_greedy_outputs_are_identical_and_that_samples_are_not_compared(tiny_dir):
