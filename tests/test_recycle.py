@@ -133,3 +133,70 @@ def test_top_tokens_start_with_the_argmax_and_hold_the_largest_scores(rows, voca
     picked = scores.gather(1, top)
     assert torch.equal(picked, scores.topk(count, dim=-1).values)  # the largest scores, best first
     assert all(len(set(row)) == count for row in top.tolist())
+
+
+def test_a_clear_by_another_thread_lands_before_or_after_a_step_of_the_suffix_source_never_inside(llama_tiny,
+                                                                                                 monkeypatch):
+    """Another thread clears the corpus, serves a model of a larger vocabulary and adds its text, right after the
+    request's suffix source checked the corpus's epoch (forced here): it had then matched in the new text, drafting
+    ids past its own model's vocabulary (an IndexError in the embedding). The check is now made under the lock."""
+    import threading
+
+    from lookahead.core import suffix
+    from lookahead.engine import Engine, RequestParams
+
+    prompt = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])
+    corpus = Corpus()
+    engine = Engine(llama_tiny, max_batch=1, max_length=64)
+    engine.add_request(prompt, RequestParams(max_new_tokens=12, eos_token_id=[], corpus=corpus,
+                                             config=LookaheadConfig(window=3, ngram=3, guesses=3, suffix=8)))
+    text = prompt.tolist() + [t for out in engine.step() for t in out.tokens]
+    checked, others = suffix.SuffixProposer._corpus_in_use, []
+
+    def check_then_clear(self) -> bool:
+        in_use = checked(self)
+        if in_use and not others:
+            def clear_and_refill() -> None:
+                corpus.clear()
+                corpus.serve(1000)
+                corpus.add(text + [500, 501, 502, 503])
+            others.append(threading.Thread(target=clear_and_refill))
+            others[0].start()
+            others[0].join(0.5)  # it waits for the lock where the check holds it
+        return in_use
+
+    monkeypatch.setattr(suffix.SuffixProposer, "_corpus_in_use", check_then_clear)
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None
+            text += out.tokens
+    others[0].join()
+    assert text == reference_greedy(llama_tiny, prompt.view(1, -1), 12, eos_token_id=[])[0].tolist()
+
+
+def test_a_clear_by_another_thread_while_a_request_is_added_leaves_the_corpus_free_for_any_model(llama_tiny,
+                                                                                                monkeypatch):
+    """Another thread clears the corpus (to serve another tokenizer's model) just after the request's decoder is
+    made: the request's serve() had then bound the cleared corpus to its model's vocabulary, and the model the clear
+    was for was refused. The request is now added under the corpus's lock, the clear landing before or after."""
+    import threading
+
+    from lookahead import engine as engine_module
+    from lookahead.engine import Engine, RequestParams
+
+    corpus, others = Corpus(), []
+    made = engine_module.LookaheadDecoder
+
+    def made_then_cleared(*args, **kwargs):
+        decoder = made(*args, **kwargs)
+        others.append(threading.Thread(target=corpus.clear))
+        others[-1].start()
+        others[-1].join(0.5)
+        return decoder
+
+    monkeypatch.setattr(engine_module, "LookaheadDecoder", made_then_cleared)
+    Engine(llama_tiny, max_batch=1, max_length=64).add_request(
+        torch.tensor([5, 6, 7, 8]), RequestParams(max_new_tokens=4, eos_token_id=[], corpus=corpus))
+    others[0].join()
+    assert corpus.vocabulary is None and corpus.epoch == 1
+    corpus.serve(1000)  # the model the clear was for

@@ -10,6 +10,7 @@ corrected by the engine's own step times (`core.prices`), which also decide whet
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -271,14 +272,17 @@ class Engine:
         transform = rule.transform
         if transform is not None and padding.numel():
             transform = _behind_padding(padding, transform)
-        epoch = params.corpus.epoch if params.corpus is not None else 0  # as its suffix source reads it
-        decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=transform,
-                                   corpus=params.corpus, cost=self.cost, proposers=params.proposers,
-                                   stats=acceptance_stats(self.model, rule.choose is not None),
-                                   context=context_length(self.model), vocabulary=vocabulary_size(self.model),
-                                   keep_scores=params.output_scores or params.output_logits)
-        if params.corpus is not None:
-            params.corpus.serve(vocabulary_size(self.model))
+        # One epoch for the request, its suffix source and its serve(): a clear() by another thread lands before
+        # or after all three, never between (serve() after it had bound the fresh corpus to this model's vocabulary).
+        with params.corpus.lock if params.corpus is not None else contextlib.nullcontext():
+            epoch = params.corpus.epoch if params.corpus is not None else 0
+            decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=transform,
+                                       corpus=params.corpus, cost=self.cost, proposers=params.proposers,
+                                       stats=acceptance_stats(self.model, rule.choose is not None),
+                                       context=context_length(self.model), vocabulary=vocabulary_size(self.model),
+                                       keep_scores=params.output_scores or params.output_logits)
+            if params.corpus is not None:
+                params.corpus.serve(vocabulary_size(self.model))
         with self._lock:
             request = _Request(self._next_id, prompt, params, decoder, set(stops),
                                GenerationStats(window=decoder.window.width), padding=padding,

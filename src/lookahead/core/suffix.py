@@ -273,9 +273,10 @@ class SuffixProposer:
     def observe(self, text: Sequence[int], new: int) -> None:
         tokens = text[len(text) - new :]
         self.own.extend(tokens)
-        if self._corpus_in_use():
-            with self.corpus.lock:
-                if not self._rematched(text):
+        corpus = self.corpus
+        if corpus is not None:
+            with corpus.lock:  # the epoch read under the lock: a clear() cannot land between the check and the use
+                if self._corpus_in_use() and not self._rematched(text):
                     self._cursor.feed(tokens)
 
     def _corpus_in_use(self) -> bool:
@@ -296,9 +297,12 @@ class SuffixProposer:
         return True
 
     def propose(self, text: Sequence[int], limit: int) -> list[Draft]:
-        if not self._corpus_in_use():
+        corpus = self.corpus
+        if corpus is None:
             return self._drafts(text, limit)
-        with self.corpus.lock:
+        with corpus.lock:  # the epoch read under the lock, as in observe
+            if not self._corpus_in_use():
+                return self._drafts(text, limit)
             self._rematched(text)  # e.g. another request ended and added its text since this one's last step
             return self._drafts(text, limit)
 
