@@ -108,6 +108,9 @@ def test_compare_says_whether_greedy_outputs_are_identical_and_that_samples_are_
     assert greedy.returncode == 0 and sampled.returncode == 0, greedy.stderr + sampled.stderr
     assert "identical: True]" in greedy.stderr
     assert "identical: not compared (sampled)]" in sampled.stderr
+    # the reply shown once: transformers' run streams it too (each timed call pays the streamer), unshown
+    text = json.loads(run_cli(*args, "--json").stdout)["text"]
+    assert greedy.stdout.strip() == text.strip()
 
 
 def test_generate_runs_a_model_whose_generation_config_has_stop_strings(tiny_dir, tmp_path):

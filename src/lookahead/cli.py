@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import shlex
@@ -236,9 +238,9 @@ def generate_command(
         return generate(lm, input_ids, max_new_tokens=tokens, config=config, streamer=streamer, seed=seed,
                         compile=compile, **sampling, **stops)
 
-    def theirs(tokens: int):
+    def theirs(tokens: int, streamer=None):
         torch.manual_seed(seed)
-        return hf_generate(lm, input_ids, max_new_tokens=tokens, **sampling, **stops)
+        return hf_generate(lm, input_ids, max_new_tokens=tokens, streamer=streamer, **sampling, **stops)
 
     try:  # what only decoding finds wrong (the model's generation config, a context too short to time steps in)
         if compare:  # warm both paths up so that neither pays one-off costs in the timed run
@@ -256,7 +258,10 @@ def generate_command(
     if compare:
         from .bench.runner import per_token_speedup
 
-        baseline, baseline_seconds = theirs(max_new_tokens)
+        # Where ours streamed the text, theirs streams it too, unshown: each call pays the streamer's decoding.
+        with contextlib.redirect_stdout(io.StringIO()):
+            baseline, baseline_seconds = theirs(max_new_tokens, None if as_json else TextStreamer(
+                tokenizer, skip_prompt=True, skip_special_tokens=True))
         report.update(
             baseline_seconds=baseline_seconds,
             # per new token: two samples may end at different lengths

@@ -237,9 +237,8 @@ def fit_log_line(points: list[SweepPoint]) -> tuple[float, float] | None:
 def write_sweep(out: Path, points: list[SweepPoint], env: dict) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     fit = fit_log_line(points)
-    intercept, slope = fit if fit is not None else (float("nan"), float("nan"))
-    (out / "sweep.json").write_text(
-        json.dumps({"environment": env, "fit": {"intercept": intercept, "slope": slope},
+    (out / "sweep.json").write_text(  # no fit: null (NaN is no JSON)
+        json.dumps({"environment": env, "fit": None if fit is None else {"intercept": fit[0], "slope": fit[1]},
                     "points": [asdict(p) for p in points]}, indent=1)
     )
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -249,6 +248,7 @@ def write_sweep(out: Path, points: list[SweepPoint], env: dict) -> list[Path]:
         ax.annotate(f"{p.window},{p.ngram},{p.guesses}", (p.tokens_fed_per_step, p.tokens_per_step), fontsize=6)
     if fit is not None:
         grid = np.linspace(min(fed), max(fed), 50)
+        intercept, slope = fit
         ax.plot(grid, intercept + slope * np.log(grid), color="C1", label=f"{intercept:.2f} + {slope:.2f}·ln(fed)")
         ax.legend()
     ax.set_xscale("log")
