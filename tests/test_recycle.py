@@ -94,20 +94,25 @@ def test_a_corpus_shares_the_predictions_across_calls_and_clear_forgets_them(lla
     assert LookaheadDecoder(config, [1, 2, 3], corpus=corpus).recycle.table is corpus.successors
 
 
+def _a_request_one_step_in(model):
+    """An engine whose request (12 tokens, drafting from a new corpus) has taken its first step; its text so far."""
+    from lookahead.engine import Engine, RequestParams
+
+    prompt = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])
+    corpus = Corpus()
+    engine = Engine(model, max_batch=1, max_length=64)
+    engine.add_request(prompt, RequestParams(max_new_tokens=12, eos_token_id=[], corpus=corpus,
+                                             config=LookaheadConfig(window=3, ngram=3, guesses=3, suffix=8)))
+    return engine, corpus, prompt, prompt.tolist() + [t for out in engine.step() for t in out.tokens]
+
+
 @pytest.mark.parametrize("next_vocabulary", [1000, 64])
 def test_a_request_running_when_its_corpus_is_cleared_drafts_from_it_no_more_and_adds_nothing(llama_tiny,
                                                                                             next_vocabulary):
     """The corpus, cleared mid-request, then serves a model of another vocabulary. Its new text continued the request's
     with ids past the request's model (its suffix source had drafted them: an IndexError in the embedding), or the
     request's text fell outside the new vocabulary (its add at the end raised, the output lost)."""
-    from lookahead.engine import Engine, RequestParams
-
-    prompt = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])
-    corpus = Corpus()
-    engine = Engine(llama_tiny, max_batch=1, max_length=64)
-    engine.add_request(prompt, RequestParams(max_new_tokens=12, eos_token_id=[], corpus=corpus,
-                                             config=LookaheadConfig(window=3, ngram=3, guesses=3, suffix=8)))
-    text = prompt.tolist() + [t for out in engine.step() for t in out.tokens]
+    engine, corpus, prompt, text = _a_request_one_step_in(llama_tiny)
     corpus.clear()
     corpus.serve(next_vocabulary)
     if next_vocabulary > 128:
@@ -143,14 +148,7 @@ def test_a_clear_by_another_thread_lands_before_or_after_a_step_of_the_suffix_so
     import threading
 
     from lookahead.core import suffix
-    from lookahead.engine import Engine, RequestParams
-
-    prompt = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])
-    corpus = Corpus()
-    engine = Engine(llama_tiny, max_batch=1, max_length=64)
-    engine.add_request(prompt, RequestParams(max_new_tokens=12, eos_token_id=[], corpus=corpus,
-                                             config=LookaheadConfig(window=3, ngram=3, guesses=3, suffix=8)))
-    text = prompt.tolist() + [t for out in engine.step() for t in out.tokens]
+    engine, corpus, prompt, text = _a_request_one_step_in(llama_tiny)
     checked, others = suffix.SuffixProposer._corpus_in_use, []
 
     def check_then_clear(self) -> bool:
