@@ -71,7 +71,7 @@ def generate(
     sampling (`do_sample=True`) draws from the same distribution as `model.generate(do_sample=True)` with the
     same options (docs/sampling.md). Options left out come from the generation config, as in `generate`; given
     as None, they set its field to None, as there too (top_k=None: no top-k, not transformers' default of 50;
-    eos_token_id=None: no stop token; a stopping criterion or a processor of the config's, none). Left out:
+    eos_token_id=None: no stop token; a config field by name, no_repeat_ngram_size=None: no such processor). Left out:
     do_sample (greedy where it sets none), the sampling options, and max_new_tokens (its max_new_tokens, else
     its max_length less the input's length, else DEFAULT_NEW_TOKENS, 128, or what the model's context leaves
     after the input where that is fewer; transformers' `generate` makes 20 there); `temperature=0` means greedy;
