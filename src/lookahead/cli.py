@@ -242,13 +242,15 @@ def generate_command(
         torch.manual_seed(seed)
         return hf_generate(lm, input_ids, max_new_tokens=tokens, streamer=streamer, **sampling, **stops)
 
+    def streamer() -> TextStreamer | None:  # the reply streamed as it is made (not with --json)
+        return None if as_json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
     try:  # what only decoding finds wrong (the model's generation config, a context too short to time steps in)
         if compare:  # warm both paths up so that neither pays one-off costs in the timed run
             ours(2)
             theirs(2)
-        streamer = None if as_json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         start = time.perf_counter()
-        out = ours(max_new_tokens, streamer)
+        out = ours(max_new_tokens, streamer())
         seconds = time.perf_counter() - start  # the whole call, as the baseline's: its set-up too
     except ValueError as error:
         _fail(str(error))
@@ -260,8 +262,7 @@ def generate_command(
 
         # Where ours streamed the text, theirs streams it too, unshown: each call pays the streamer's decoding.
         with contextlib.redirect_stdout(io.StringIO()):
-            baseline, baseline_seconds = theirs(max_new_tokens, None if as_json else TextStreamer(
-                tokenizer, skip_prompt=True, skip_special_tokens=True))
+            baseline, baseline_seconds = theirs(max_new_tokens, streamer())
         report.update(
             baseline_seconds=baseline_seconds,
             # per new token: two samples may end at different lengths

@@ -274,15 +274,16 @@ class Engine:
             transform = _behind_padding(padding, transform)
         # One epoch for the request, its suffix source and its serve(): a clear() by another thread lands before
         # or after all three, never between (serve() after it had bound the fresh corpus to this model's vocabulary).
-        with params.corpus.lock if params.corpus is not None else contextlib.nullcontext():
-            epoch = params.corpus.epoch if params.corpus is not None else 0
+        corpus = params.corpus
+        with corpus.lock if corpus is not None else contextlib.nullcontext():
+            epoch = corpus.epoch if corpus is not None else 0
             decoder = LookaheadDecoder(config, prompt.tolist(), choose=rule.choose, transform=transform,
-                                       corpus=params.corpus, cost=self.cost, proposers=params.proposers,
+                                       corpus=corpus, cost=self.cost, proposers=params.proposers,
                                        stats=acceptance_stats(self.model, rule.choose is not None),
                                        context=context_length(self.model), vocabulary=vocabulary_size(self.model),
                                        keep_scores=params.output_scores or params.output_logits)
-            if params.corpus is not None:
-                params.corpus.serve(vocabulary_size(self.model))
+            if corpus is not None:
+                corpus.serve(vocabulary_size(self.model))
         with self._lock:
             request = _Request(self._next_id, prompt, params, decoder, set(stops),
                                GenerationStats(window=decoder.window.width), padding=padding,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from contextlib import nullcontext
 from collections.abc import Iterable, Sequence
 
 from ..arguments import checked_number, integer
@@ -298,24 +299,17 @@ class SuffixProposer:
 
     def propose(self, text: Sequence[int], limit: int) -> list[Draft]:
         corpus = self.corpus
-        if corpus is None:
-            return self._drafts(text, limit)
-        with corpus.lock:  # the epoch read under the lock, as in observe
-            if not self._corpus_in_use():
-                return self._drafts(text, limit)
-            self._rematched(text)  # e.g. another request ended and added its text since this one's last step
-            return self._drafts(text, limit)
-
-    def _drafts(self, text: Sequence[int], limit: int) -> list[Draft]:
+        found = [(self.own.tokens, length, end, "suffix") for length, end in self.own.earlier_matches(self.branches)]
         drafts: list[Draft] = []
         seen: set[tuple[int, ...]] = set()
-        found = [(self.own.tokens, length, end, "suffix") for length, end in self.own.earlier_matches(self.branches)]
-        if self._cursor is not None:
-            found += [(self._cursor.automaton.tokens, length, end, "corpus")  # the automaton it matched in
-                      for length, end in self._cursor.matches(self.branches)]
-        for tokens, length, end, source in sorted(found, key=lambda f: -f[1]):
-            draft = continuation(tokens, end, limit)
-            if draft and draft not in seen:
-                seen.add(draft)
-                drafts.append(Draft(draft, source, length))
+        with corpus.lock if corpus is not None else nullcontext():  # the epoch read under the lock, as in observe
+            if self._corpus_in_use():
+                self._rematched(text)  # e.g. another request ended and added its text since this one's last step
+                found += [(self._cursor.automaton.tokens, length, end, "corpus")  # the automaton it matched in
+                          for length, end in self._cursor.matches(self.branches)]
+            for tokens, length, end, source in sorted(found, key=lambda f: -f[1]):
+                draft = continuation(tokens, end, limit)
+                if draft and draft not in seen:
+                    seen.add(draft)
+                    drafts.append(Draft(draft, source, length))
         return drafts
